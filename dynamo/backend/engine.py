@@ -1,0 +1,118 @@
+"""``LLMEngine``: the boundary between the framework and an inference engine (spec 000).
+
+Lifecycle, in order:
+
+1. ``start(worker_id)`` once: load the model, return an :class:`EngineConfig` (non-empty model).
+2. ``generate(request, ctx)``: called concurrently, once per request. Returns an async iterator of
+   :class:`LLMEngineOutput`. Exactly one *terminal* (a chunk with ``finish_reason`` set, or a raised
+   :class:`DynamoError`) ends the stream and nothing follows it. Between yields the engine polls
+   ``ctx.is_stopped()`` and, when stopped, ends with a ``cancelled`` terminal. Resources held by a
+   request must be freed on every exit path (``finally`` inside the generator), because the
+   consumer may simply stop iterating.
+3. ``abort(ctx)``: called by the framework's monitor when a request's context is stopped or
+   killed. Default no-op; override for engine-side cancel notification.
+4. ``drain()``: called on shutdown after the worker left discovery and the grace period ran out;
+   finish or fail in-flight work. Default no-op.
+5. ``cleanup()``: release everything. Must be idempotent (a second call is a no-op) and must work
+   on an engine whose ``start()`` never ran or failed half-way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
+from dynamo.protocol.request import PreprocessedRequest
+from dynamo.runtime.context import Context
+
+GenerateContext = Context
+"""The per-request context handed to ``generate`` (id, stop/kill signals)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What ``start()`` reports about the loaded engine; registered in the model card."""
+
+    model: str
+    served_model_name: str | None = None
+    context_length: int = 8192
+    kv_block_size: int = 16
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_size: int = 1
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The name clients use for the model."""
+        return self.served_model_name or self.model
+
+
+class LLMEngine(ABC):
+    """Implement this to plug an engine into dynamo-py (see module docstring for the contract)."""
+
+    @abstractmethod
+    async def start(self, worker_id: int) -> EngineConfig: ...
+
+    @abstractmethod
+    def generate(
+        self, request: PreprocessedRequest, ctx: GenerateContext
+    ) -> AsyncIterator[LLMEngineOutput]: ...
+
+    async def abort(self, ctx: Context) -> None:  # noqa: B027 - optional hook, default no-op
+        """Engine-side cancel notification (default: rely on in-stream polling)."""
+
+    async def drain(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Finish in-flight work before cleanup (default: nothing to drain)."""
+
+    @abstractmethod
+    async def cleanup(self) -> None: ...
+
+
+class chunk:  # noqa: N801 - a namespace of constructors, read as chunk.token(...)
+    """Constructors for engine output chunks (spec 000's chunk helpers)."""
+
+    @staticmethod
+    def token(token_id: int) -> LLMEngineOutput:
+        return LLMEngineOutput(token_ids=[token_id])
+
+    @staticmethod
+    def tokens(token_ids: list[int]) -> LLMEngineOutput:
+        return LLMEngineOutput(token_ids=token_ids)
+
+    @staticmethod
+    def stop() -> LLMEngineOutput:
+        return LLMEngineOutput(finish_reason=FinishReason.STOP)
+
+    @staticmethod
+    def length() -> LLMEngineOutput:
+        return LLMEngineOutput(finish_reason=FinishReason.LENGTH)
+
+    @staticmethod
+    def cancelled() -> LLMEngineOutput:
+        return LLMEngineOutput(finish_reason=FinishReason.CANCELLED)
+
+    @staticmethod
+    def error(message: str) -> LLMEngineOutput:
+        return LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message)
+
+
+def with_tokens(output: LLMEngineOutput, token_ids: list[int]) -> LLMEngineOutput:
+    """Attach tokens to a (terminal) chunk."""
+    output.token_ids = token_ids
+    return output
+
+
+def with_usage(
+    output: LLMEngineOutput, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> LLMEngineOutput:
+    """Attach usage to a (terminal) chunk."""
+    output.usage = Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens
+    )
+    return output

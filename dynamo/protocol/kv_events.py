@@ -1,0 +1,68 @@
+"""KV cache events (FACTS §2.1): what workers publish and routers index.
+
+``block_hash`` is the engine's own (opaque) id for a block, used for parent lookup and removal;
+``tokens_hash`` is the *local* block hash of router/hashing.py, used for prefix matching.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StoredBlock(msgspec.Struct, array_like=True, gc=False):
+    block_hash: int
+    tokens_hash: int
+
+
+class BlocksStored(msgspec.Struct, tag="stored", kw_only=True):
+    parent_hash: int | None
+    blocks: list[StoredBlock]
+
+
+class BlocksRemoved(msgspec.Struct, tag="removed", kw_only=True):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", kw_only=True):
+    pass
+
+
+KVCacheEventData = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+class KVCacheEvent(msgspec.Struct, kw_only=True):
+    """One event of one (worker, dp_rank). ``event_id`` increases by one per event per rank."""
+
+    event_id: int
+    data: KVCacheEventData
+    dp_rank: int = 0
+
+
+class RouterEvent(msgspec.Struct, kw_only=True):
+    worker_id: int
+    event: KVCacheEvent
+    storage_tier: str = "device"
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True):
+    """Events of one worker published together on the event plane (topic ``kv-events``)."""
+
+    worker_id: int
+    events: list[KVCacheEvent]
+
+
+class KVRecoveryRequest(msgspec.Struct, kw_only=True):
+    """A router asks a worker's local index for events from ``start_event_id`` (None: full dump)."""
+
+    dp_rank: int = 0
+    start_event_id: int | None = None
+
+
+class KVRecoveryResponse(msgspec.Struct, kw_only=True):
+    """Either the buffered tail of events, or (``is_dump``) the whole state as stored events."""
+
+    worker_id: int
+    dp_rank: int
+    events: list[KVCacheEvent]
+    is_dump: bool
+    last_event_id: int | None

@@ -1,0 +1,15 @@
+"""Worker load metrics published on the event plane (topic ``kv_metrics``)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
+    worker_id: int
+    dp_rank: int = 0
+    active_decode_blocks: int = 0
+    total_blocks: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0

@@ -1,0 +1,52 @@
+"""Engine output chunks: what a worker streams back for one request."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+from dynamo.protocol.disagg import DisaggregatedParams
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class WorkerPlacement(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Which worker (and DP rank) served the request: returned on request (nvext worker_id)."""
+
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    prefill_worker_id: int | None = None
+    prefill_dp_rank: int | None = None
+
+
+class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
+    """One chunk of an engine's stream.
+
+    A chunk with ``finish_reason`` set is a *terminal*: exactly one terminal ends every stream, and
+    nothing follows it. ``error`` carries the message of an ``ERROR`` terminal. ``index`` is the
+    choice index when a request asks for n > 1 choices.
+    """
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+    index: int | None = None
+    placement: WorkerPlacement | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,67 @@
+"""The preprocessed request: what the frontend sends to a worker after tokenization."""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo.protocol.disagg import DisaggregatedParams
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Sampling parameters. ``None`` means "engine default"."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    greedy: bool = False
+    n: int = 1
+
+
+class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """When generation ends. Stop *strings* are applied by the frontend's detokenizer;
+    stop token ids and EOS are applied by the engine (``ignore_eos`` disables EOS)."""
+
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class RoutingHints(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Explicit placement: a worker instance, a DP rank, or a prefill worker (disaggregation)."""
+
+    backend_instance_id: int | None = None
+    dp_rank: int | None = None
+    prefill_worker_id: int | None = None
+    prefill_dp_rank: int | None = None
+
+
+class TraceLink(msgspec.Struct, frozen=True, kw_only=True):
+    """A link to the span of a predecessor attempt (prefill -> decode, or a migration retry)."""
+
+    trace_id: str
+    span_id: str
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A tokenized request, ready for an engine.
+
+    ``prefill_result`` is set on decode-bound requests in disaggregated serving: it carries the
+    prefill worker's handoff. ``migration_link`` is set by the framework when the request is a
+    continuation of an earlier attempt.
+    """
+
+    model: str
+    token_ids: list[int]
+    request_id: str | None = None
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    routing: RoutingHints | None = None
+    annotations: list[str] = msgspec.field(default_factory=list)
+    lora_name: str | None = None
+    prefill_only: bool = False
+    prefill_result: DisaggregatedParams | None = None
+    migration_link: TraceLink | None = None

@@ -1,0 +1,1 @@
+"""Process plumbing: discovery, the request plane, the event plane, cancellation and errors."""

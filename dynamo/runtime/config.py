@@ -1,0 +1,135 @@
+"""Runtime configuration and the one helper for CLI flags with ``DYN_*`` environment twins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+DISCOVERY_BACKENDS = ("memory", "file", "etcd")
+REQUEST_PLANES = ("local", "tcp")
+EVENT_PLANES = ("local", "zmq", "nats")
+
+
+def env_name(flag: str) -> str:
+    """``--router-mode`` -> ``DYN_ROUTER_MODE``."""
+    return "DYN_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def add_flag(
+    parser: argparse.ArgumentParser | Any,
+    flag: str,
+    *,
+    default: Any = None,
+    type: Any = str,  # noqa: A002 - mirrors argparse
+    help: str = "",  # noqa: A002
+    choices: Any = None,
+    env: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """Add ``flag`` whose default comes from its environment twin (``DYN_<FLAG>``) if set.
+
+    ``type=bool`` makes a ``--flag`` / ``--no-flag`` pair.
+    """
+    env = env or env_name(flag)
+    raw = os.environ.get(env)
+    if type is bool:
+        value = _parse_bool(raw) if raw is not None else default
+        parser.add_argument(
+            flag,
+            default=value,
+            action=argparse.BooleanOptionalAction,
+            help=f"{help} [env {env}; default {default}]",
+            **kwargs,
+        )
+        return
+    value = type(raw) if raw is not None else default
+    parser.add_argument(
+        flag,
+        default=value,
+        type=type,
+        choices=choices,
+        help=f"{help} [env {env}; default {default}]",
+        **kwargs,
+    )
+
+
+def default_file_discovery_dir() -> str:
+    return os.environ.get("DYN_FILE_KV") or os.path.join(tempfile.gettempdir(), "dynamo_store_kv")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How a process joins the system. Chosen once, in ``runtime/runtime.py``."""
+
+    namespace: str = "dynamo"
+    discovery_backend: str = "file"
+    discovery_dir: str = field(default_factory=default_file_discovery_dir)
+    etcd_endpoints: str = "http://127.0.0.1:2379"
+    request_plane: str = "tcp"
+    event_plane: str = "zmq"
+    nats_server: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"
+    lease_ttl: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.discovery_backend not in DISCOVERY_BACKENDS:
+            raise ValueError(f"discovery backend must be one of {DISCOVERY_BACKENDS}")
+        if self.request_plane not in REQUEST_PLANES:
+            raise ValueError(f"request plane must be one of {REQUEST_PLANES}")
+        if self.event_plane not in EVENT_PLANES:
+            raise ValueError(f"event plane must be one of {EVENT_PLANES}")
+        if self.lease_ttl <= 0:
+            raise ValueError("lease TTL must be positive")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        d = RuntimeConfig()
+        g = parser.add_argument_group("runtime")
+        add_flag(g, "--namespace", default=d.namespace, help="dynamo namespace")
+        add_flag(
+            g,
+            "--discovery-backend",
+            default=d.discovery_backend,
+            choices=DISCOVERY_BACKENDS,
+            help="where instances and models are registered",
+        )
+        add_flag(g, "--discovery-dir", default=d.discovery_dir, env="DYN_FILE_KV",
+                 help="directory of the file discovery backend")
+        add_flag(g, "--etcd-endpoints", default=d.etcd_endpoints, env="ETCD_ENDPOINTS",
+                 help="etcd endpoints (etcd discovery backend)")
+        add_flag(g, "--request-plane", default=d.request_plane, choices=REQUEST_PLANES,
+                 help="request transport")
+        add_flag(g, "--event-plane", default=d.event_plane, choices=EVENT_PLANES,
+                 help="event transport")
+        add_flag(g, "--nats-server", default=d.nats_server, env="NATS_SERVER",
+                 help="NATS server (nats event plane)")
+        add_flag(g, "--runtime-host", default=d.host, env="DYN_RUNTIME_HOST",
+                 help="address the request and event planes bind and advertise")
+        add_flag(g, "--lease-ttl", default=d.lease_ttl, type=float,
+                 help="discovery lease TTL in seconds")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
+        return cls(
+            namespace=args.namespace,
+            discovery_backend=args.discovery_backend,
+            discovery_dir=args.discovery_dir,
+            etcd_endpoints=args.etcd_endpoints,
+            request_plane=args.request_plane,
+            event_plane=args.event_plane,
+            nats_server=args.nats_server,
+            host=args.runtime_host,
+            lease_ttl=args.lease_ttl,
+        )

@@ -1,0 +1,1 @@
+"""The event plane: topic-based publish/subscribe between processes."""
