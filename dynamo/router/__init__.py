@@ -1,0 +1,1 @@
+"""Routing: round-robin/random/direct, and KV-cache-aware selection."""

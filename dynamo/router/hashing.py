@@ -1,0 +1,79 @@
+"""KV block hashing (FACTS §1), shared by the router and the engines (mocker).
+
+* local block hash = XXH3-64 of the block's tokens as u32 little-endian, seed 1337 (LoRA name and
+  cache salt are mixed into the seed); only complete blocks are hashed.
+* sequence hash: ``seq[0] = local[0]``, ``seq[i] = XXH3-64(u64_le(seq[i-1]) || u64_le(local[i]),
+  seed 1337)``. It identifies a block *with its whole prefix*.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+XXH3_SEED = 1337
+_MASK64 = (1 << 64) - 1
+_xxh3 = xxhash.xxh3_64_intdigest
+_PAIR = struct.Struct("<QQ")
+_LITTLE = array("I").itemsize == 4 and struct.pack("=I", 1) == struct.pack("<I", 1)
+
+
+def block_seed(lora_name: str | None = None, salt: str | None = None) -> int:
+    """The hash seed: 1337, plus the LoRA name's and salt's hashes (wrapping u64 addition)."""
+    seed = XXH3_SEED
+    if lora_name:
+        seed += _xxh3(lora_name.encode(), 0)
+    if salt:
+        seed += _xxh3(salt.encode(), 1)
+    return seed & _MASK64
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = array("I", tokens)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def local_block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    salt: str | None = None,
+) -> list[int]:
+    """Local hashes of every complete block of ``tokens`` (the partial tail is dropped)."""
+    if block_size <= 0:
+        return []
+    seed = block_seed(lora_name, salt)
+    data = _token_bytes(tokens)
+    step = block_size * 4
+    n_blocks = len(tokens) // block_size
+    return [_xxh3(data[i * step : (i + 1) * step], seed) for i in range(n_blocks)]
+
+
+def next_sequence_hash(parent: int, local: int) -> int:
+    return _xxh3(_PAIR.pack(parent, local), XXH3_SEED)
+
+
+def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+    """Chain local hashes into sequence hashes."""
+    out: list[int] = []
+    prev: int | None = None
+    for local in local_hashes:
+        prev = local if prev is None else _xxh3(_PAIR.pack(prev, local), XXH3_SEED)
+        out.append(prev)
+    return out
+
+
+def to_signed64(value: int) -> int:
+    """u64 -> i64 bit-for-bit (for JSON peers that use signed integers)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def to_unsigned64(value: int) -> int:
+    """i64 -> u64 bit-for-bit."""
+    return value & _MASK64
