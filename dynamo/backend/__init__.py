@@ -1,4 +1,4 @@
-"""The engine contract (spec 000) and its runtime integration: ``LLMEngine``, ``Worker``, ``run``."""
+"""The engine contract (spec 000) and its runtime integration: LLMEngine, Worker, run."""
 
 from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, chunk
 

@@ -109,10 +109,15 @@ def with_tokens(output: LLMEngineOutput, token_ids: list[int]) -> LLMEngineOutpu
 
 
 def with_usage(
-    output: LLMEngineOutput, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    output: LLMEngineOutput,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> LLMEngineOutput:
     """Attach usage to a (terminal) chunk."""
     output.usage = Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
     )
     return output

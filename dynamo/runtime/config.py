@@ -8,9 +8,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-DISCOVERY_BACKENDS = ("memory", "file", "etcd")
+DISCOVERY_BACKENDS = ("memory", "file")
 REQUEST_PLANES = ("local", "tcp")
-EVENT_PLANES = ("local", "zmq", "nats")
+EVENT_PLANES = ("local", "zmq")
 
 
 def env_name(flag: str) -> str:
@@ -76,10 +76,8 @@ class RuntimeConfig:
     namespace: str = "dynamo"
     discovery_backend: str = "file"
     discovery_dir: str = field(default_factory=default_file_discovery_dir)
-    etcd_endpoints: str = "http://127.0.0.1:2379"
     request_plane: str = "tcp"
     event_plane: str = "zmq"
-    nats_server: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"
     lease_ttl: float = 10.0
 
@@ -105,20 +103,33 @@ class RuntimeConfig:
             choices=DISCOVERY_BACKENDS,
             help="where instances and models are registered",
         )
-        add_flag(g, "--discovery-dir", default=d.discovery_dir, env="DYN_FILE_KV",
-                 help="directory of the file discovery backend")
-        add_flag(g, "--etcd-endpoints", default=d.etcd_endpoints, env="ETCD_ENDPOINTS",
-                 help="etcd endpoints (etcd discovery backend)")
-        add_flag(g, "--request-plane", default=d.request_plane, choices=REQUEST_PLANES,
-                 help="request transport")
-        add_flag(g, "--event-plane", default=d.event_plane, choices=EVENT_PLANES,
-                 help="event transport")
-        add_flag(g, "--nats-server", default=d.nats_server, env="NATS_SERVER",
-                 help="NATS server (nats event plane)")
-        add_flag(g, "--runtime-host", default=d.host, env="DYN_RUNTIME_HOST",
-                 help="address the request and event planes bind and advertise")
-        add_flag(g, "--lease-ttl", default=d.lease_ttl, type=float,
-                 help="discovery lease TTL in seconds")
+        add_flag(
+            g,
+            "--discovery-dir",
+            default=d.discovery_dir,
+            env="DYN_FILE_KV",
+            help="directory of the file discovery backend",
+        )
+        add_flag(
+            g,
+            "--request-plane",
+            default=d.request_plane,
+            choices=REQUEST_PLANES,
+            help="request transport",
+        )
+        add_flag(
+            g, "--event-plane", default=d.event_plane, choices=EVENT_PLANES, help="event transport"
+        )
+        add_flag(
+            g,
+            "--runtime-host",
+            default=d.host,
+            env="DYN_RUNTIME_HOST",
+            help="address the request and event planes bind and advertise",
+        )
+        add_flag(
+            g, "--lease-ttl", default=d.lease_ttl, type=float, help="discovery lease TTL in seconds"
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
@@ -126,10 +137,8 @@ class RuntimeConfig:
             namespace=args.namespace,
             discovery_backend=args.discovery_backend,
             discovery_dir=args.discovery_dir,
-            etcd_endpoints=args.etcd_endpoints,
             request_plane=args.request_plane,
             event_plane=args.event_plane,
-            nats_server=args.nats_server,
             host=args.runtime_host,
             lease_ttl=args.lease_ttl,
         )

@@ -1,0 +1,26 @@
+# The two set-up commands of the README: `make run` and `make test`. Both create and use .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/dynamo serve
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check dynamo tests benchmarks scripts
+	$(VENV)/bin/ruff format --check dynamo tests benchmarks scripts
+	$(VENV)/bin/mypy dynamo
+
+test: lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,227 @@
+"""``Worker``: runs one or more engines inside a ``DistributedRuntime`` (spec 000).
+
+Lifecycle::
+
+    start runtime -> engine.start(worker_id) -> serve the generate endpoint + register the model
+    card -> ... serve until SIGTERM/SIGINT or request_shutdown() ...
+    -> unregister (discovery first: routers stop sending) -> grace period (in-flight requests
+    finish, bounded by graceful_shutdown_timeout) -> engine.drain() -> engine.cleanup() (once)
+    -> runtime teardown
+
+A signal during start-up still shuts down cleanly: ``start()`` is abandoned and ``cleanup()``
+runs on the partial state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynamo.backend.adapter import EngineAdapter
+from dynamo.backend.disagg import DisaggregationMode
+from dynamo.backend.engine import EngineConfig, LLMEngine
+from dynamo.protocol.model_card import ModelCard, WorkerRole, compute_tokenizer_checksum
+from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.naming import EndpointId, new_instance_id
+from dynamo.runtime.runtime import DistributedRuntime, ServedEndpoint
+
+log = logging.getLogger(__name__)
+
+_card_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    model_path: str = ""
+    served_model_name: str | None = None
+    component: str | None = None
+    endpoint: str = "generate"
+    disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
+    graceful_shutdown_timeout: float = 5.0
+    strict_validation: bool = False
+    install_signal_handlers: bool = True
+
+    def endpoint_id(self) -> EndpointId:
+        component = self.component or self.disaggregation_mode.component
+        return EndpointId(self.runtime.namespace, component, self.endpoint)
+
+
+@dataclass
+class _Registration:
+    engine: LLMEngine
+    adapter: EngineAdapter
+    worker_id: int
+    engine_config: EngineConfig | None = None
+    served: ServedEndpoint | None = None
+    card_key: str | None = None
+    cleaned: bool = False
+
+
+class Worker:
+    """Serves ``engines`` (usually one) under one runtime. Use :func:`dynamo.backend.run.run`."""
+
+    def __init__(
+        self,
+        engines: Sequence[LLMEngine],
+        config: WorkerConfig,
+        *,
+        runtime: DistributedRuntime | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("a worker needs at least one engine")
+        self.config = config
+        self._owns_runtime = runtime is None
+        self.runtime = runtime or DistributedRuntime(config.runtime)
+        self._regs = [
+            _Registration(e, EngineAdapter(e, strict=config.strict_validation), new_instance_id())
+            for e in engines
+        ]
+        self._shutdown = asyncio.Event()
+        self._cleanup_lock = asyncio.Lock()
+        self.ready = asyncio.Event()
+
+    @property
+    def worker_ids(self) -> list[int]:
+        return [r.worker_id for r in self._regs]
+
+    def request_shutdown(self) -> None:
+        """Begin a graceful shutdown (safe to call from a signal handler, more than once)."""
+        self._shutdown.set()
+
+    async def run(self) -> None:
+        """Start, serve until shutdown is requested, then shut down in order."""
+        loop = asyncio.get_running_loop()
+        installed: list[int] = []
+        if self.config.install_signal_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    loop.add_signal_handler(sig, self.request_shutdown)
+                    installed.append(sig)
+                except (NotImplementedError, RuntimeError):  # not the main thread
+                    pass
+        try:
+            if await self._start_or_abandon():
+                await self._register()
+                self.ready.set()
+                await self._shutdown.wait()
+        finally:
+            await self._teardown()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    async def _start_or_abandon(self) -> bool:
+        """Start runtime and engines; False if shutdown was requested first."""
+        starting = asyncio.ensure_future(self._start_all())
+        stopping = asyncio.ensure_future(self._shutdown.wait())
+        done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting in done:
+            stopping.cancel()
+            starting.result()  # re-raise a start failure (teardown still runs)
+            return not self._shutdown.is_set()
+        log.info("shutdown requested during start-up; abandoning start")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return False
+
+    async def _start_all(self) -> None:
+        await self.runtime.start()
+        for reg in self._regs:
+            reg.engine_config = await reg.engine.start(reg.worker_id)
+            if not reg.engine_config.model:
+                raise ValueError("engine.start() returned an EngineConfig with an empty model")
+
+    async def _register(self) -> None:
+        endpoint_id = self.config.endpoint_id()
+        checksum = compute_tokenizer_checksum(self.config.model_path)
+        for reg in self._regs:
+            assert reg.engine_config is not None
+            reg.served = await self.runtime.serve_endpoint(
+                endpoint_id, reg.adapter.handle, instance_id=reg.worker_id
+            )
+            card = self._model_card(endpoint_id, reg.worker_id, reg.engine_config, checksum)
+            reg.card_key = endpoint_id.model_card_key(reg.worker_id)
+            await self.runtime.discovery.put(
+                reg.card_key, _card_encoder.encode(card), self.runtime.lease
+            )
+            log.info(
+                "serving model %r as %s instance %x",
+                card.served_model_name,
+                endpoint_id,
+                reg.worker_id,
+            )
+
+    def _model_card(
+        self, endpoint_id: EndpointId, worker_id: int, ec: EngineConfig, checksum: str | None
+    ) -> ModelCard:
+        return ModelCard(
+            served_model_name=self.config.served_model_name or ec.name,
+            model_path=self.config.model_path or ec.model,
+            namespace=endpoint_id.namespace,
+            component=endpoint_id.component,
+            endpoint=endpoint_id.endpoint,
+            instance_id=worker_id,
+            context_length=ec.context_length,
+            kv_block_size=ec.kv_block_size,
+            total_kv_blocks=ec.total_kv_blocks,
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            data_parallel_start_rank=ec.data_parallel_start_rank,
+            data_parallel_size=ec.data_parallel_size,
+            role=WorkerRole(self.config.disaggregation_mode.value),
+            tokenizer_checksum=checksum,
+            bootstrap_host=ec.bootstrap_host,
+            bootstrap_port=ec.bootstrap_port,
+        )
+
+    async def _teardown(self) -> None:
+        # 1. Leave discovery: routers stop picking us; requests already sent still arrive.
+        for reg in self._regs:
+            await self._unregister(reg)
+        # 2. Grace period: let in-flight requests finish.
+        await self._wait_inflight(self.config.graceful_shutdown_timeout)
+        # 3. Drain and clean up each engine exactly once.
+        for reg in self._regs:
+            await self._drain_and_cleanup(reg)
+        # 4. Runtime teardown (cancels anything still in flight).
+        if self._owns_runtime:
+            await self.runtime.shutdown()
+
+    async def _unregister(self, reg: _Registration) -> None:
+        try:
+            if reg.card_key is not None:
+                await self.runtime.discovery.delete(reg.card_key)
+                reg.card_key = None
+            if reg.served is not None:
+                await self.runtime.unserve(reg.served)
+                reg.served = None
+        except Exception:
+            log.exception("unregistering worker %x failed", reg.worker_id)
+
+    async def _wait_inflight(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(r.adapter.num_inflight for r in self._regs) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _drain_and_cleanup(self, reg: _Registration) -> None:
+        # The lock + flag make cleanup run once even if teardown is entered twice.
+        async with self._cleanup_lock:
+            if reg.cleaned:
+                return
+            reg.cleaned = True
+            if reg.engine_config is not None:
+                try:
+                    await reg.engine.drain()
+                except Exception:
+                    log.exception("engine.drain failed")
+            await reg.adapter.wait_aborts()
+            try:
+                await reg.engine.cleanup()
+            except Exception:
+                log.exception("engine.cleanup failed")

@@ -1,0 +1,35 @@
+"""``dynamo``: one console script for every service (serve, frontend, mocker, slot-tracker, bench)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": "dynamo.serve",
+    "frontend": "dynamo.frontend.__main__",
+    "mocker": "dynamo.mocker.__main__",
+    "slot-tracker": "dynamo.slot_tracker.__main__",
+    "bench": "dynamo.bench.__main__",
+}
+
+USAGE = "usage: dynamo {" + "|".join(COMMANDS) + "} [options]   (dynamo COMMAND --help)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    module_name = COMMANDS.get(command)
+    if module_name is None:
+        print(f"dynamo: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(module_name)
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

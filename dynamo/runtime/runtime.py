@@ -1,0 +1,214 @@
+"""``DistributedRuntime``: builds the planes from configuration and owns their start/stop order.
+
+This is the one place where concrete backends are chosen. Start order: discovery -> primary lease
+-> event plane -> request-plane server (lazily, on the first served endpoint). Stop order is the
+reverse: served endpoints leave discovery first, then the request-plane server stops (in-flight
+handlers are cancelled), clients close, the event plane closes, the lease is revoked and discovery
+closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from dynamo.runtime.client import EndpointClient
+from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.discovery.base import Discovery, Lease
+from dynamo.runtime.discovery.file import FileDiscovery
+from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
+from dynamo.runtime.endpoint import InstanceInfo, encode_instance
+from dynamo.runtime.event_plane.base import EventPlane
+from dynamo.runtime.event_plane.local import LocalEventBus, LocalEventPlane
+from dynamo.runtime.event_plane.zmq import ZmqEventPlane
+from dynamo.runtime.naming import EndpointId, new_instance_id
+from dynamo.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
+from dynamo.runtime.request_plane.local import (
+    LocalHub,
+    LocalRequestPlaneClient,
+    LocalRequestPlaneServer,
+)
+from dynamo.runtime.request_plane.tcp_client import TCPRequestPlaneClient
+from dynamo.runtime.request_plane.tcp_server import TCPRequestPlaneServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InProcessHub:
+    """Shared state of the one-process shape: several runtimes in one process see each other
+    through it (memory discovery, local request plane, local event plane)."""
+
+    store: MemoryStore = field(default_factory=MemoryStore)
+    requests: LocalHub = field(default_factory=LocalHub)
+    events: LocalEventBus = field(default_factory=LocalEventBus)
+
+
+@dataclass
+class ServedEndpoint:
+    endpoint_id: EndpointId
+    instance_id: int
+    key: str
+
+
+class DistributedRuntime:
+    """One per process (or per simulated process in the one-process shape)."""
+
+    def __init__(self, config: RuntimeConfig, hub: InProcessHub | None = None) -> None:
+        if hub is None and (
+            config.discovery_backend == "memory"
+            or config.request_plane == "local"
+            or config.event_plane == "local"
+        ):
+            hub = InProcessHub()
+        self.config = config
+        self._hub = hub
+        self._discovery: Discovery | None = None
+        self._lease: Lease | None = None
+        self._events: EventPlane | None = None
+        self._server: RequestPlaneServer | None = None
+        self._transport: RequestPlaneClient | None = None
+        self._served: dict[int, ServedEndpoint] = {}
+        self._clients: list[EndpointClient] = []
+        self._started = False
+        self._stopped = False
+
+    @property
+    def namespace(self) -> str:
+        return self.config.namespace
+
+    @property
+    def hub(self) -> InProcessHub | None:
+        return self._hub
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._discovery = self._make_discovery()
+        self._lease = await self._discovery.grant_lease(self.config.lease_ttl)
+        self._events = self._make_event_plane()
+        await self._events.start()
+
+    async def shutdown(self) -> None:
+        """Tear everything down in reverse order (idempotent)."""
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        for served in list(self._served.values()):
+            await self.unserve(served)
+        if self._server is not None:
+            await self._server.stop()
+        for client in self._clients:
+            await client.close()
+        if self._transport is not None:
+            await self._transport.close()
+        if self._events is not None:
+            await self._events.close()
+        if self._lease is not None:
+            await self._lease.revoke()
+        if self._discovery is not None:
+            await self._discovery.close()
+
+    # -- accessors -----------------------------------------------------------------------
+    @property
+    def discovery(self) -> Discovery:
+        if self._discovery is None:
+            raise RuntimeError("runtime not started")
+        return self._discovery
+
+    @property
+    def lease(self) -> Lease:
+        if self._lease is None:
+            raise RuntimeError("runtime not started")
+        return self._lease
+
+    @property
+    def events(self) -> EventPlane:
+        if self._events is None:
+            raise RuntimeError("runtime not started")
+        return self._events
+
+    @property
+    def transport(self) -> RequestPlaneClient:
+        if self._transport is None:
+            self._transport = self._make_transport()
+        return self._transport
+
+    async def server(self) -> RequestPlaneServer:
+        """The process's one request-plane server, started on first use."""
+        if self._server is None:
+            self._server = self._make_server()
+            await self._server.start()
+        return self._server
+
+    # -- endpoints -----------------------------------------------------------------------
+    async def serve_endpoint(
+        self, endpoint_id: EndpointId, handler: Handler, *, instance_id: int | None = None
+    ) -> ServedEndpoint:
+        """Serve ``handler`` and register a new instance of ``endpoint_id`` in discovery."""
+        server = await self.server()
+        server.register(endpoint_id.path, handler)
+        iid = instance_id if instance_id is not None else new_instance_id()
+        info = InstanceInfo(
+            namespace=endpoint_id.namespace,
+            component=endpoint_id.component,
+            endpoint=endpoint_id.endpoint,
+            instance_id=iid,
+            address=server.address,
+        )
+        key = endpoint_id.instance_key(iid)
+        await self.discovery.put(key, encode_instance(info), self.lease)
+        served = ServedEndpoint(endpoint_id, iid, key)
+        self._served[iid] = served
+        return served
+
+    async def unserve(self, served: ServedEndpoint) -> None:
+        """Leave discovery first (no new requests), then stop accepting on the server."""
+        if self._served.pop(served.instance_id, None) is None:
+            return
+        try:
+            await self.discovery.delete(served.key)
+        except Exception:  # discovery may already be gone during teardown
+            log.warning("could not delete %s from discovery", served.key, exc_info=True)
+        if self._server is not None and not any(
+            s.endpoint_id == served.endpoint_id for s in self._served.values()
+        ):
+            self._server.unregister(served.endpoint_id.path)
+
+    async def client(self, endpoint_id: EndpointId) -> EndpointClient:
+        """A started client over ``endpoint_id``; closed with the runtime."""
+        client = EndpointClient(endpoint_id, self.discovery, self.transport)
+        await client.start()
+        self._clients.append(client)
+        return client
+
+    # -- backend choice (the one place) --------------------------------------------------
+    def _make_discovery(self) -> Discovery:
+        backend = self.config.discovery_backend
+        if backend == "memory":
+            assert self._hub is not None
+            return MemoryDiscovery(self._hub.store)
+        return FileDiscovery(self.config.discovery_dir)
+
+    def _make_event_plane(self) -> EventPlane:
+        if self.config.event_plane == "local":
+            assert self._hub is not None
+            return LocalEventPlane(self._hub.events)
+        return ZmqEventPlane(
+            self.discovery, self.config.namespace, host=self.config.host, lease=self.lease
+        )
+
+    def _make_server(self) -> RequestPlaneServer:
+        if self.config.request_plane == "local":
+            assert self._hub is not None
+            return LocalRequestPlaneServer(self._hub.requests)
+        return TCPRequestPlaneServer(host=self.config.host, port=0)
+
+    def _make_transport(self) -> RequestPlaneClient:
+        if self.config.request_plane == "local":
+            assert self._hub is not None
+            return LocalRequestPlaneClient(self._hub.requests)
+        return TCPRequestPlaneClient()
