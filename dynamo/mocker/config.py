@@ -110,40 +110,117 @@ class MockerConfig:
         """Add the mocker's flags (reference names and defaults) as one argument group."""
         d = MockerConfig()
         g = parser.add_argument_group("mocker")
-        add_flag(g, "--model-path", default=d.model_path, help="model directory or HF id (tokenizer)")
+        add_flag(
+            g, "--model-path", default=d.model_path, help="model directory or HF id (tokenizer)"
+        )
         add_flag(g, "--model-name", default=d.model_name, help="served model name")
         add_flag(g, "--endpoint", default=d.endpoint, help="dyn://namespace.component.endpoint")
-        add_flag(g, "--num-gpu-blocks-override", default=d.num_gpu_blocks, type=int,
-                 help="KV blocks per DP rank")
+        add_flag(
+            g,
+            "--num-gpu-blocks-override",
+            default=d.num_gpu_blocks,
+            type=int,
+            help="KV blocks per DP rank",
+        )
         add_flag(g, "--block-size", default=d.block_size, type=int, help="tokens per KV block")
-        add_flag(g, "--max-num-seqs", default=d.max_num_seqs, type=int,
-                 help="most running requests per DP rank")
-        add_flag(g, "--max-num-batched-tokens", default=d.max_num_batched_tokens, type=int,
-                 help="token budget of one forward pass")
-        add_flag(g, "--enable-prefix-caching", default=d.enable_prefix_caching, type=bool,
-                 help="reuse cached prompt blocks")
-        add_flag(g, "--enable-chunked-prefill", default=d.enable_chunked_prefill, type=bool,
-                 help="split long prompts over several passes")
-        add_flag(g, "--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES,
-                 help="which running request to preempt under KV pressure (lifo = newest)")
-        add_flag(g, "--speedup-ratio", default=d.speedup_ratio, type=float,
-                 help="divide every simulated duration by this (0 = no sleeping at all)")
-        add_flag(g, "--decode-speedup-ratio", default=d.decode_speedup_ratio, type=float,
-                 help="additionally divide decode durations by this")
-        add_flag(g, "--data-parallel-size", default=d.data_parallel_size, type=int,
-                 help="independent schedulers and KV pools in one worker")
-        add_flag(g, "--num-workers", default=d.num_workers, type=int,
-                 help="mocker engines in this process, each its own worker id")
-        add_flag(g, "--startup-time", default=d.startup_time, type=float,
-                 help="seconds to sleep before serving (simulated model load)")
-        add_flag(g, "--disaggregation-mode", default=d.disaggregation_mode,
-                 choices=DISAGGREGATION_MODES, help="agg, prefill or decode worker")
-        add_flag(g, "--kv-transfer-bandwidth", default=d.kv_transfer_bandwidth, type=float,
-                 help="KV transfer bandwidth in GB/s (disaggregation; 0 disables)")
-        add_flag(g, "--kv-bytes-per-token", default=d.kv_bytes_per_token, type=int,
-                 help="KV bytes per token: layers * 2 * kv_heads * head_dim * dtype bytes")
-        add_flag(g, "--context-length", default=d.context_length, type=int,
-                 help=f"max prompt + output tokens (default: model's, else {DEFAULT_CONTEXT_LENGTH})")
+        add_flag(
+            g,
+            "--max-num-seqs",
+            default=d.max_num_seqs,
+            type=int,
+            help="most running requests per DP rank",
+        )
+        add_flag(
+            g,
+            "--max-num-batched-tokens",
+            default=d.max_num_batched_tokens,
+            type=int,
+            help="token budget of one forward pass",
+        )
+        add_flag(
+            g,
+            "--enable-prefix-caching",
+            default=d.enable_prefix_caching,
+            type=bool,
+            help="reuse cached prompt blocks",
+        )
+        add_flag(
+            g,
+            "--enable-chunked-prefill",
+            default=d.enable_chunked_prefill,
+            type=bool,
+            help="split long prompts over several passes",
+        )
+        add_flag(
+            g,
+            "--preemption-mode",
+            default=d.preemption_mode,
+            choices=PREEMPTION_MODES,
+            help="which running request to preempt under KV pressure (lifo = newest)",
+        )
+        add_flag(
+            g,
+            "--speedup-ratio",
+            default=d.speedup_ratio,
+            type=float,
+            help="divide every simulated duration by this (0 = no sleeping at all)",
+        )
+        add_flag(
+            g,
+            "--decode-speedup-ratio",
+            default=d.decode_speedup_ratio,
+            type=float,
+            help="additionally divide decode durations by this",
+        )
+        add_flag(
+            g,
+            "--data-parallel-size",
+            default=d.data_parallel_size,
+            type=int,
+            help="independent schedulers and KV pools in one worker",
+        )
+        add_flag(
+            g,
+            "--num-workers",
+            default=d.num_workers,
+            type=int,
+            help="mocker engines in this process, each its own worker id",
+        )
+        add_flag(
+            g,
+            "--startup-time",
+            default=d.startup_time,
+            type=float,
+            help="seconds to sleep before serving (simulated model load)",
+        )
+        add_flag(
+            g,
+            "--disaggregation-mode",
+            default=d.disaggregation_mode,
+            choices=DISAGGREGATION_MODES,
+            help="agg, prefill or decode worker",
+        )
+        add_flag(
+            g,
+            "--kv-transfer-bandwidth",
+            default=d.kv_transfer_bandwidth,
+            type=float,
+            help="KV transfer bandwidth in GB/s (disaggregation; 0 disables)",
+        )
+        add_flag(
+            g,
+            "--kv-bytes-per-token",
+            default=d.kv_bytes_per_token,
+            type=int,
+            help="KV bytes per token: layers * 2 * kv_heads * head_dim * dtype bytes",
+        )
+        add_flag(
+            g,
+            "--context-length",
+            default=d.context_length,
+            type=int,
+            help=f"max prompt + output tokens (default: model's, else {DEFAULT_CONTEXT_LENGTH})",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> MockerConfig:

@@ -1,7 +1,7 @@
-"""In-process discovery: a shared :class:`MemoryStore` and per-"process" :class:`MemoryDiscovery` clients.
+"""In-process discovery: a shared :class:`MemoryStore` and per-"process" clients.
 
-Several clients over one store behave like several processes over one etcd (``--in-process``
-serving, integration tests). Also home of :class:`QueueWatch`, the Watch that backends feed.
+Several :class:`MemoryDiscovery` clients over one store behave like several processes over one
+etcd (``dynamo serve --in-process``, integration tests).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynamo.runtime.discovery.base import KeyValue, Lease, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.watch import QueueWatch
 from dynamo.runtime.errors import CannotConnect, InvalidArgument
 from dynamo.runtime.naming import new_instance_id
 
@@ -21,57 +22,6 @@ async def _cancel_and_wait(task: asyncio.Task[None] | None) -> None:
     if task is not None and not task.done():
         task.cancel()
         await asyncio.wait({task})
-
-
-class QueueWatch:
-    """A Watch fed by its backend: a fixed snapshot, then events pushed in order.
-
-    The backend calls :meth:`push` (never blocks: the queue is unbounded, watch traffic is small)
-    and :meth:`end` when it shuts down; iteration then stops. ``close()`` is the consumer's side.
-    """
-
-    def __init__(
-        self,
-        prefix: str,
-        snapshot: list[KeyValue],
-        on_close: Callable[[QueueWatch], None],
-    ) -> None:
-        self.prefix = prefix
-        self._snapshot = snapshot
-        self._on_close = on_close
-        self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
-        self._ended = False
-        self._finished = False
-
-    @property
-    def snapshot(self) -> list[KeyValue]:
-        return self._snapshot
-
-    def push(self, event: WatchEvent) -> None:
-        if not self._ended:
-            self._queue.put_nowait(event)
-
-    def end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._queue.put_nowait(None)
-
-    async def close(self) -> None:
-        if not self._ended:
-            self.end()
-            self._on_close(self)
-
-    def __aiter__(self) -> QueueWatch:
-        return self
-
-    async def __anext__(self) -> WatchEvent:
-        if self._finished:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if event is None:
-            self._finished = True
-            raise StopAsyncIteration
-        return event
 
 
 @dataclass(slots=True)

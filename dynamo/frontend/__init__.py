@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP frontend: preprocess -> route -> transport -> detokenize -> SSE."""

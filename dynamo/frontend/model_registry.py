@@ -1,0 +1,200 @@
+"""The model registry: which models exist, built from the model cards workers put in discovery.
+
+A model appears when its first worker's card appears and leaves the listing when its last card
+goes. For ``retention_s`` afterwards a request for it gets 503 (temporarily unavailable: a rolling
+restart) rather than 404. One pipeline per model, built by ``pipeline_factory`` from the first
+card; a worker whose tokenizer checksum disagrees with the model's pipeline is refused with a
+logged reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import msgspec
+
+from dynamo.protocol.model_card import ModelCard, WorkerRole
+from dynamo.runtime.client import EndpointClient
+from dynamo.runtime.discovery.base import Watch, WatchEventKind
+from dynamo.runtime.errors import ModelNotFound, NoInstances
+from dynamo.runtime.naming import EndpointId, model_cards_prefix
+from dynamo.runtime.runtime import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+_card_decoder = msgspec.json.Decoder(ModelCard)
+
+
+@dataclass
+class ModelEntry(Generic[P]):
+    """One served model: its cards (one per worker instance), pipeline and endpoint clients."""
+
+    name: str
+    pipeline: P
+    checksum: str | None
+    cards: dict[int, ModelCard] = field(default_factory=dict)
+    clients: dict[WorkerRole, EndpointClient] = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def cards_of(self, role: WorkerRole) -> list[ModelCard]:
+        return [c for c in self.cards.values() if c.role is role]
+
+    def live_instance_ids(self, role: WorkerRole = WorkerRole.AGGREGATED) -> list[int]:
+        """Instances of ``role`` that have a card *and* a live endpoint registration."""
+        client = self.clients.get(role)
+        if client is None:
+            return []
+        live = client.instance_ids()
+        return [i for i in live if i in self.cards and self.cards[i].role is role]
+
+    def serving_role(self) -> WorkerRole:
+        """Decode workers serve a disaggregated model; aggregated workers otherwise."""
+        if any(c.role is WorkerRole.DECODE for c in self.cards.values()):
+            return WorkerRole.DECODE
+        return WorkerRole.AGGREGATED
+
+    @property
+    def any_card(self) -> ModelCard:
+        return next(iter(self.cards.values()))
+
+
+class ModelRegistry(Generic[P]):
+    """Follows ``v1/mdc/{namespace}/`` in discovery. Owned by the frontend's composition root."""
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        pipeline_factory: Callable[[ModelCard], Awaitable[P]],
+        *,
+        retention_s: float = 60.0,
+        on_change: Callable[[ModelEntry[P], bool], None] | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._factory = pipeline_factory
+        self._retention_s = retention_s
+        self._on_change = on_change
+        self._models: dict[str, ModelEntry[P]] = {}
+        self._retired: dict[str, float] = {}
+        self._keys: dict[str, tuple[str, int]] = {}
+        self._clients: dict[EndpointId, EndpointClient] = {}
+        self._watch: Watch | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._watch = await self._runtime.discovery.watch_prefix(
+            model_cards_prefix(self._runtime.namespace)
+        )
+        for kv in self._watch.snapshot:
+            await self._put(kv.key, kv.value)
+        self._task = asyncio.create_task(self._follow(), name="model-registry-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._watch is not None:
+            await self._watch.close()
+            self._watch = None
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+    async def _follow(self) -> None:
+        assert self._watch is not None
+        async for event in self._watch:
+            try:
+                if event.kind is WatchEventKind.PUT:
+                    await self._put(event.key, event.value)
+                else:
+                    self._delete(event.key)
+            except Exception:
+                log.exception("model registry failed to apply %s %s", event.kind, event.key)
+
+    async def _put(self, key: str, value: bytes) -> None:
+        try:
+            card = _card_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("ignoring malformed model card at %s", key)
+            return
+        async with self._lock:
+            entry = self._models.get(card.served_model_name)
+            if entry is None:
+                try:
+                    pipeline = await self._factory(card)
+                except Exception as exc:
+                    log.error(
+                        "refusing worker %x: cannot load model %r from %s: %s",
+                        card.instance_id,
+                        card.served_model_name,
+                        card.model_path,
+                        exc,
+                    )
+                    return
+                entry = ModelEntry(card.served_model_name, pipeline, card.tokenizer_checksum)
+                self._models[entry.name] = entry
+                self._retired.pop(entry.name, None)
+                log.info("model %r is now served", entry.name)
+            elif entry.checksum != card.tokenizer_checksum:
+                log.error(
+                    "refusing worker %x for model %r: its tokenizer (checksum %s) differs from the "
+                    "model's pipeline (checksum %s)",
+                    card.instance_id,
+                    entry.name,
+                    card.tokenizer_checksum,
+                    entry.checksum,
+                )
+                return
+            if card.role not in entry.clients:
+                entry.clients[card.role] = await self._client_for(
+                    EndpointId(card.namespace, card.component, card.endpoint)
+                )
+            entry.cards[card.instance_id] = card
+            self._keys[key] = (entry.name, card.instance_id)
+        if self._on_change is not None:
+            self._on_change(entry, True)
+
+    def _delete(self, key: str) -> None:
+        located = self._keys.pop(key, None)
+        if located is None:
+            return
+        name, instance_id = located
+        entry = self._models.get(name)
+        if entry is None:
+            return
+        entry.cards.pop(instance_id, None)
+        if not entry.cards:
+            del self._models[name]
+            self._retired[name] = time.monotonic() + self._retention_s
+            log.info("model %r has no workers left", name)
+        if self._on_change is not None:
+            self._on_change(entry, False)
+
+    async def _client_for(self, endpoint_id: EndpointId) -> EndpointClient:
+        client = self._clients.get(endpoint_id)
+        if client is None:
+            client = EndpointClient(endpoint_id, self._runtime.discovery, self._runtime.transport)
+            await client.start()
+            self._clients[endpoint_id] = client
+        return client
+
+    # -- queries ---------------------------------------------------------------------------
+    def get(self, name: str) -> ModelEntry[P]:
+        """The model, or ModelNotFound (404) / NoInstances (503, recently gone)."""
+        entry = self._models.get(name)
+        if entry is not None:
+            return entry
+        until = self._retired.get(name)
+        if until is not None and time.monotonic() < until:
+            raise NoInstances(f"Model temporarily unavailable: {name!r} has no live instance")
+        raise ModelNotFound(f"The model `{name}` does not exist")
+
+    def models(self) -> list[ModelEntry[P]]:
+        return sorted(self._models.values(), key=lambda e: e.name)

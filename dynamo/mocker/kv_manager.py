@@ -1,0 +1,204 @@
+"""KV block mechanism of one DP rank (FACTS §6.3): refcounted active blocks, an LRU inactive pool,
+prefix lookup by sequence hash, and the KV events (Stored / Removed) those changes produce.
+
+It decides nothing: the scheduler asks ``can``/``num_slots_needed`` first and then orders the change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from dynamo.protocol.kv_events import (
+    BlocksRemoved,
+    BlocksStored,
+    KVCacheEvent,
+    KVCacheEventData,
+    StoredBlock,
+)
+
+
+class KVManager:
+    """Blocks of one DP rank. Not thread-safe: owned by one scheduler (one task).
+
+    Two kinds of block occupy the ``num_blocks`` slots:
+
+    * full blocks, keyed by their sequence hash (FACTS §1.2) and shareable. In use they sit in
+      ``active`` with a refcount; at refcount 0 they move to the ``inactive`` LRU pool, still
+      cached, until evicted to make room (a ``Removed`` event). A full block entering the cache
+      produces a ``Stored`` event (``block_hash`` = sequence hash, ``tokens_hash`` = local hash).
+    * unique blocks (an integer id), private to one sequence: its growing tail, or all its blocks
+      when prefix caching is off. They produce no events; a tail becomes full via ``promote``.
+
+    With prefix caching off no full block ever exists, so no event is ever produced.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        dp_rank: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.dp_rank = dp_rank
+        self.enable_prefix_caching = enable_prefix_caching
+        self._active: dict[int, int] = {}
+        self._inactive: OrderedDict[int, None] = OrderedDict()
+        self._unique: set[int] = set()
+        self._unique_ids = itertools.count(1)
+        self._events: list[KVCacheEvent] = []
+        self._next_event_id = 0
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def num_active_blocks(self) -> int:
+        """Blocks in use by some sequence (full + unique)."""
+        return len(self._active) + len(self._unique)
+
+    @property
+    def num_inactive_blocks(self) -> int:
+        return len(self._inactive)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Slots a new block can take: free ones plus evictable inactive ones."""
+        return self.num_blocks - self.num_active_blocks
+
+    def refcount(self, block_hash: int) -> int:
+        return self._active.get(block_hash, 0)
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._active or block_hash in self._inactive
+
+    def cached_blocks(self) -> set[int]:
+        """Every full block the cache holds (active or inactive): what KV events describe."""
+        return set(self._active) | set(self._inactive)
+
+    def num_cached_prefix(self, block_hashes: Sequence[int]) -> int:
+        """Length of the longest run of leading blocks present (active or inactive)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in self._active and h not in self._inactive:
+                break
+            n += 1
+        return n
+
+    def num_slots_needed(self, block_hashes: Sequence[int], num_unique: int) -> int:
+        """Available slots that ``use(block_hashes)`` + ``num_unique`` unique blocks would take
+        (already-active blocks take none)."""
+        return sum(1 for h in block_hashes if h not in self._active) + num_unique
+
+    # -- mutations --------------------------------------------------------------------------
+    def use(self, block_hashes: Sequence[int], local_hashes: Sequence[int]) -> None:
+        """Reference the chain ``block_hashes`` (a sequence's leading full blocks, in order).
+
+        Active blocks gain a reference; inactive ones are revived; missing ones are stored
+        (evicting LRU inactive blocks for room) and announced, one ``Stored`` event per run of
+        consecutive new blocks with ``parent_hash`` = the block before the run. Raises
+        ``RuntimeError`` if there is no room: callers check ``num_slots_needed`` first.
+        """
+        if not self.enable_prefix_caching:
+            raise RuntimeError("full blocks are not used when prefix caching is off")
+        missing = [i for i, h in enumerate(block_hashes) if h not in self._active]
+        if len(missing) > self.num_available_blocks:
+            raise RuntimeError("not enough KV blocks")
+        # First pin every block we already have, so eviction below never takes one of ours.
+        new: list[int] = []
+        for i, h in enumerate(block_hashes):
+            if h in self._active:
+                self._active[h] += 1
+            elif h in self._inactive:
+                del self._inactive[h]
+                self._active[h] = 1
+            else:
+                new.append(i)
+        self._make_room(len(new))
+        run: list[StoredBlock] = []
+        for k, i in enumerate(new):
+            self._active[block_hashes[i]] = 1
+            run.append(StoredBlock(block_hash=block_hashes[i], tokens_hash=local_hashes[i]))
+            if k + 1 == len(new) or new[k + 1] != i + 1:
+                start = i + 1 - len(run)
+                parent = block_hashes[start - 1] if start > 0 else None
+                self._emit(BlocksStored(parent_hash=parent, blocks=run))
+                run = []
+
+    def allocate_unique(self, n: int) -> list[int] | None:
+        """``n`` private blocks, or None (nothing changed) if there is no room."""
+        if n > self.num_available_blocks:
+            return None
+        self._make_room(n)
+        ids = [next(self._unique_ids) for _ in range(n)]
+        self._unique.update(ids)
+        return ids
+
+    def promote(self, unique_id: int, block_hash: int, local_hash: int, parent: int | None) -> None:
+        """A private tail block filled up: it becomes the full block ``block_hash``.
+
+        If that block is already cached the private copy collapses onto it (no event);
+        otherwise it is stored and announced with its parent.
+        """
+        self._unique.remove(unique_id)
+        if block_hash in self._active:
+            self._active[block_hash] += 1
+        elif block_hash in self._inactive:
+            del self._inactive[block_hash]
+            self._active[block_hash] = 1
+        else:
+            self._active[block_hash] = 1
+            block = StoredBlock(block_hash=block_hash, tokens_hash=local_hash)
+            self._emit(BlocksStored(parent_hash=parent, blocks=[block]))
+
+    def release(self, block_hashes: Sequence[int], unique_ids: Sequence[int]) -> None:
+        """Drop one reference to each full block and free the private blocks.
+
+        Full blocks are released tail first, so that within a chain the leaves become the least
+        recently used and are evicted before their parents.
+        """
+        for unique_id in unique_ids:
+            self._unique.remove(unique_id)
+        for h in reversed(block_hashes):
+            rc = self._active[h] - 1
+            if rc:
+                self._active[h] = rc
+            else:
+                del self._active[h]
+                self._inactive[h] = None
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        """Events produced since the last drain, in order (the engine publishes them per pass)."""
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pools are inconsistent."""
+        assert all(rc > 0 for rc in self._active.values()), "non-positive refcount"
+        assert not (self._active.keys() & self._inactive.keys()), "block both active and inactive"
+        used = len(self._active) + len(self._unique) + len(self._inactive)
+        assert used <= self.num_blocks, f"{used} blocks > capacity {self.num_blocks}"
+        if not self.enable_prefix_caching:
+            assert not self._active and not self._inactive, "full blocks with caching off"
+
+    # -- internals --------------------------------------------------------------------------
+    def _make_room(self, n: int) -> None:
+        """Evict LRU inactive blocks until ``n`` slots are free (one Removed event)."""
+        free = self.num_blocks - self.num_active_blocks - len(self._inactive)
+        evicted: list[int] = []
+        while free < n:
+            h, _ = self._inactive.popitem(last=False)
+            evicted.append(h)
+            free += 1
+        if evicted:
+            self._emit(BlocksRemoved(block_hashes=evicted))
+
+    def _emit(self, data: KVCacheEventData) -> None:
+        self._events.append(
+            KVCacheEvent(event_id=self._next_event_id, data=data, dp_rank=self.dp_rank)
+        )
+        self._next_event_id += 1

@@ -1,0 +1,150 @@
+"""Per-request state of the mocker: tokens, progress, held KV blocks and the output sampler.
+
+The scheduler reasons with two numbers, as vLLM v1 does: ``num_tokens`` (prompt + generated) and
+``num_computed_tokens`` (tokens whose KV is in the cache). A pass computes some of the difference;
+when they meet, the pass samples one new token.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+
+import xxhash
+
+from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.protocol.output import FinishReason
+from dynamo.router.hashing import local_block_hashes, next_sequence_hash
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request inside one DP rank's scheduler. Mutated only by that scheduler.
+
+    Block layout (``B`` = block size)::
+
+        tokens:  | block 0 | block 1 | ... | block k-1 | tail (< B tokens) |
+        held:    | full_blocks (sequence hashes, shared) | unique_blocks   |
+
+    ``full_blocks`` are complete, hashed blocks (shareable via the prefix cache); ``unique_blocks``
+    are this sequence's private blocks: the growing tail, or every block when prefix caching is
+    off. ``block_hashes``/``local_hashes`` cover every complete block of the known tokens, whether
+    or not its KV is held.
+    """
+
+    request_id: str
+    tokens: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    min_tokens: int
+    block_size: int
+    lora_name: str | None
+    rng: random.Random
+    stop_token_ids: frozenset[int]
+    banned_token_ids: frozenset[int]
+    """Never sampled: the request's EOS ids (special tokens), on top of the model's."""
+    arrival: float
+    handoff: DisaggregatedParams | None = None
+    """Decode side of disaggregation: the prompt's KV arrives from this prefill worker."""
+    pending_transfer: bool = False
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    prefill_end: int = 0
+    """``num_tokens`` when the sequence was (re)admitted: below it a pass is a prefill chunk."""
+    num_cached_tokens: int | None = None
+    """Tokens found in the cache (or transferred) at the first admission; set once, as vLLM."""
+    ready_at: float = 0.0
+    """Earliest time the sequence may run (a decode-side KV transfer lands then)."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    local_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    full_blocks: list[int] = field(default_factory=list)
+    unique_blocks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.local_hashes = local_block_hashes(
+            self.tokens, self.block_size, lora_name=self.lora_name
+        )
+        self.block_hashes = _chain(self.local_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self.full_blocks) + len(self.unique_blocks)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its (re)admission prefill: the next pass computes exactly one token."""
+        return self.num_computed_tokens >= self.prefill_end
+
+    def append_token(self, token: int) -> None:
+        """Add a sampled token; hash the block it completes (if any)."""
+        self.tokens.append(token)
+        bs = self.block_size
+        if len(self.tokens) % bs == 0:
+            start = len(self.tokens) - bs
+            local = local_block_hashes(self.tokens[start:], bs, lora_name=self.lora_name)[0]
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.local_hashes.append(local)
+            self.block_hashes.append(local if parent is None else next_sequence_hash(parent, local))
+
+    def finish_after(self, token: int) -> FinishReason | None:
+        """The finish reason once ``token`` has been appended, or None to keep going."""
+        n = self.num_output_tokens
+        if n >= self.max_tokens:
+            return FinishReason.LENGTH
+        if n >= self.min_tokens and token in self.stop_token_ids:
+            return FinishReason.STOP
+        return None
+
+
+def _chain(local_hashes: list[int]) -> list[int]:
+    out: list[int] = []
+    prev: int | None = None
+    for local in local_hashes:
+        prev = local if prev is None else next_sequence_hash(prev, local)
+        out.append(prev)
+    return out
+
+
+def request_seed(request_id: str, seed: int | None) -> int:
+    """Per-request RNG seed: the request's ``sampling.seed``, else derived from its id (stable
+    across processes, unlike ``hash()``)."""
+    if seed is not None:
+        return seed
+    return int(xxhash.xxh3_64_intdigest(request_id.encode()))
+
+
+class TokenSampler:
+    """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids)."""
+
+    __slots__ = ("_vocab_size", "_excluded")
+
+    def __init__(self, vocab_size: int, excluded: frozenset[int]) -> None:
+        if len([t for t in excluded if 0 <= t < vocab_size]) >= vocab_size:
+            raise ValueError("every vocabulary id is excluded")
+        self._vocab_size = vocab_size
+        self._excluded = excluded
+
+    def sample(self, rng: random.Random, extra_excluded: frozenset[int]) -> int:
+        """One id. Rejection sampling: special ids are few, so this almost never loops."""
+        vocab, excluded = self._vocab_size, self._excluded
+        while True:
+            token = int(rng.random() * vocab)
+            if token not in excluded and token not in extra_excluded:
+                return token

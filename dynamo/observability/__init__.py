@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics (declared once), logging."""

@@ -1,0 +1,151 @@
+"""Every Prometheus metric of dynamo-py, declared once, with the reference names (FACTS §10.1).
+
+Each service builds its metrics on its own ``CollectorRegistry`` (several services may share a
+process in tests and in ``dynamo serve --in-process``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dynamo.observability.buckets import env_buckets
+
+
+def frontend_prefix() -> str:
+    return os.environ.get("DYN_METRICS_PREFIX", "dynamo_frontend")
+
+
+class FrontendMetrics:
+    """The frontend's metric families (prefix ``dynamo_frontend_`` unless overridden)."""
+
+    def __init__(
+        self, prefix: str | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
+        p = (prefix or frontend_prefix()).rstrip("_")
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{p}_requests",
+            "Requests by model, endpoint, type, status and error type",
+            ["model", "endpoint", "request_type", "status", "error_type"],
+            registry=r,
+        )
+        self.active_requests = Gauge(
+            f"{p}_active_requests", "Requests in flight", ["model"], registry=r
+        )
+        self.inflight_requests = Gauge(
+            f"{p}_inflight_requests", "Requests in flight (deprecated name)", ["model"], registry=r
+        )
+        self.disconnected_clients = Gauge(
+            f"{p}_disconnected_clients", "Clients that disconnected mid-request", registry=r
+        )
+        self.request_duration = Histogram(
+            f"{p}_request_duration_seconds",
+            "Request duration",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("REQUEST_DURATION", 1, 512, 10),
+        )
+        self.input_tokens = Histogram(
+            f"{p}_input_sequence_tokens",
+            "Prompt length",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("INPUT_SEQUENCE", 50, 128000, 12),
+        )
+        self.output_tokens = Histogram(
+            f"{p}_output_sequence_tokens",
+            "Completion length",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("OUTPUT_SEQUENCE", 50, 32000, 10),
+        )
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("TTFT", 0.001, 480, 18),
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Inter-token latency",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("ITL", 0.001, 2, 13),
+        )
+        self.output_tokens_total = Counter(
+            f"{p}_output_tokens", "Generated tokens", ["model"], registry=r
+        )
+        self.cached_tokens = Histogram(
+            f"{p}_cached_tokens",
+            "Prompt tokens served from the KV cache",
+            ["model"],
+            registry=r,
+            buckets=env_buckets("INPUT_SEQUENCE", 50, 128000, 12),
+        )
+        card_labels = ["model", "worker_type"]
+        self.model_total_kv_blocks = Gauge(
+            f"{p}_model_total_kv_blocks", "KV blocks", card_labels, registry=r
+        )
+        self.model_max_num_seqs = Gauge(
+            f"{p}_model_max_num_seqs", "Max sequences", card_labels, registry=r
+        )
+        self.model_max_num_batched_tokens = Gauge(
+            f"{p}_model_max_num_batched_tokens", "Max batched tokens", card_labels, registry=r
+        )
+        self.model_context_length = Gauge(
+            f"{p}_model_context_length", "Context length", card_labels, registry=r
+        )
+        self.model_kv_cache_block_size = Gauge(
+            f"{p}_model_kv_cache_block_size", "KV block size", card_labels, registry=r
+        )
+        self.model_ready = Gauge(
+            f"{p}_model_ready", "1 if the model has live instances", ["model"], registry=r
+        )
+        self.model_cancellation = Counter(
+            f"{p}_model_cancellation",
+            "Cancelled requests",
+            ["model", "endpoint", "request_type"],
+            registry=r,
+        )
+        self.model_rejection = Counter(
+            f"{p}_model_rejection",
+            "Requests rejected for overload",
+            ["model", "endpoint"],
+            registry=r,
+        )
+
+
+class RouterMetrics:
+    """KV router metrics (FACTS §10.1: ``dynamo_router_*``, ``dynamo_component_kv_cache_events_applied``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.decision_seconds = Histogram(
+            "dynamo_router_overhead_total_seconds",
+            "Time to pick a worker",
+            ["model"],
+            registry=r,
+            buckets=[0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1],
+        )
+        self.kv_hit_rate = Histogram(
+            "dynamo_router_kv_hit_rate",
+            "Predicted KV overlap of the chosen worker (fraction of prompt)",
+            ["model"],
+            registry=r,
+            buckets=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+        )
+        self.events_applied = Counter(
+            "dynamo_component_kv_cache_events_applied",
+            "KV events applied by the router's index",
+            ["status", "event_type"],
+            registry=r,
+        )
+        self.replica_sync_dropped = Counter(
+            "dynamo_router_replica_sync_dropped",
+            "Replica-sync events dropped (queue full)",
+            registry=r,
+        )

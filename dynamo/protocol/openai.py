@@ -1,0 +1,204 @@
+"""OpenAI-compatible HTTP wire types (spec 004), with the NVIDIA extension ``nvext``.
+
+Requests are decoded with validation (ranges via ``msgspec.Meta``); unknown fields are ignored, as
+OpenAI clients send many optional ones. Sampling fields that vLLM and aiperf send at the top level
+(top_k, repetition_penalty, min_tokens, ignore_eos, ...) are accepted there as well as in nvext.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+
+
+class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
+    ignore_eos: bool | None = None
+    top_k: int | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    greedy_sampling: bool | None = None
+    greed_sampling: bool | None = None
+    use_raw_prompt: bool | None = None
+    annotations: list[str] | None = None
+    backend_instance_id: int | None = None
+    dp_rank: NonNegativeInt | None = None
+    extra_fields: list[str] | None = None
+    min_tokens: NonNegativeInt | None = None
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    nvext: NvExt | None = None
+    # vLLM / aiperf style top-level extensions
+    top_k: int | None = None
+    min_p: TopP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegativeInt | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``prompt`` is a string, a list of token ids, or a batch (list of strings or of token-id
+    lists); :func:`normalize_prompt` checks the shape (msgspec unions allow one array type)."""
+
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+
+
+def normalize_prompt(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The batch of prompts: each a string or a token-id list. Raises ValueError on a bad shape."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [[p for p in prompt if isinstance(p, int)]]
+    if all(isinstance(p, str) for p in prompt):
+        return [p for p in prompt if isinstance(p, str)]
+    if all(isinstance(p, list) for p in prompt):
+        return [p for p in prompt if isinstance(p, list)]
+    raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+
+
+# ---------------------------------------------------------------------------------------------
+# responses
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+
+
+class CompletionUsage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True, kw_only=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: CompletionUsage | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, omit_defaults=True, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    object: Literal["chat.completion"] = "chat.completion"
+    nvext: dict[str, Any] | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Both a streamed chunk and (with ``object="text_completion"``) the unary response."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: CompletionUsage | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class ModelListing(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "nvidia"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelListing]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorDetail
