@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,18 +46,18 @@ PATH = "/v1/chat/completions"
 
 WRK_LUA = """
 wrk.method = "POST"
-wrk.body = [[%s]]
+wrk.body = [[@BODY@]]
 wrk.headers["Content-Type"] = "application/json"
 function done(summary, latency, requests)
   io.write(string.format(
-    "WRKJSON {\\"requests\\": %%d, \\"duration_us\\": %%d, \\"errors\\": %%d, "
-    .. "\\"p50_us\\": %%d, \\"p90_us\\": %%d, \\"p99_us\\": %%d, \\"mean_us\\": %%f}\\n",
+    "WRKJSON {\\"requests\\": %d, \\"duration_us\\": %d, \\"errors\\": %d, "
+    .. "\\"p50_us\\": %d, \\"p90_us\\": %d, \\"p99_us\\": %d, \\"mean_us\\": %f}\\n",
     summary.requests, summary.duration,
     summary.errors.connect + summary.errors.read + summary.errors.write
       + summary.errors.status + summary.errors.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean))
 end
-""" % BODY
+""".replace("@BODY@", BODY)
 
 
 def _granian(interface: str, target: str) -> list[str]:
@@ -75,12 +75,31 @@ CANDIDATES: dict[str, list[str]] = {
     "granian-asgi-blacksheep": _granian("asgi", f"{APPS}.blacksheep_app:app"),
     "granian-asgi-starlette": _granian("asgi", f"{APPS}.starlette_app:app"),
     "uvicorn-starlette": [
-        str(BIN / "uvicorn"), "--loop", "uvloop", "--http", "httptools", "--host", "127.0.0.1",
-        "--port", "{port}", "--log-level", "warning", "--no-access-log",
+        str(BIN / "uvicorn"),
+        "--loop",
+        "uvloop",
+        "--http",
+        "httptools",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--log-level",
+        "warning",
+        "--no-access-log",
         f"{APPS}.starlette_app:app",
     ],  # fmt: skip
     "aiohttp": [PY, "-m", f"{APPS}.aiohttp_app", "{port}"],
     "raw-httptools (reference)": [PY, "-m", f"{APPS}.raw_httptools", "{port}"],
+    # Control: Nagle deliberately left on, to show the NODELAY probe and stall counter work.
+    "raw-httptools-nagle (control)": [
+        "env",
+        "BENCH_NODELAY=0",
+        PY,
+        "-m",
+        f"{APPS}.raw_httptools",
+        "{port}",
+    ],  # fmt: skip
 }
 
 
@@ -193,7 +212,7 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0)
 def _ttft(port: int, n: int) -> tuple[list[float], list[float]]:
     """n sequential requests on ONE keep-alive connection (where Nagle stalls show)."""
     ttfts, totals = [], []
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # client side never the cause
         req = _request_bytes(port)
         for _ in range(n):
@@ -212,7 +231,7 @@ _SYS_PIDFD_GETFD = 438
 def _server_nodelay(port: int, pids: list[int]) -> bool | None:
     """Read TCP_NODELAY on the server's accepted socket of a live connection (pidfd_getfd)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    with socket.create_connection(("127.0.0.1", port)) as c:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
         c.sendall(_request_bytes(port))
         _read_response(c, time.perf_counter())
         cport = c.getsockname()[1]
@@ -273,7 +292,9 @@ def _server(cmd: list[str]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     port = _free_port()
     argv = [a.replace("{port}", str(port)) for a in cmd]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         _wait_ready(port, proc)
         yield port, proc
@@ -327,7 +348,7 @@ def bench_json(n: int = 20000) -> dict[str, float]:
     chunk = make_chunk("chatcmpl-" + "ab" * 12, int(time.time()), "demo-model", 5)
     as_dict = msgspec.to_builtins(chunk)
     enc = msgspec.json.Encoder()
-    cases = {
+    cases: dict[str, Callable[[], bytes]] = {
         "stdlib json.dumps(dict).encode()": lambda: json.dumps(as_dict).encode(),
         "stdlib json.dumps(dict, separators=compact).encode()": lambda: json.dumps(
             as_dict, separators=(",", ":")
@@ -357,10 +378,12 @@ def _summary(r: Result) -> str:
     best = max(r.runs_c64, key=lambda w: w.req_s)
     cpu = [w.cpu_ms_per_req for w in r.runs_c64]
     rps = [w.req_s for w in r.runs_c64]
-    c1 = [w.p50_ms for w in r.runs_c1]
+    # a run that completed almost nothing (a stuck connection) says nothing about latency
+    c1 = [w.p50_ms for w in r.runs_c1 if w.requests >= 10] or [float("nan")]
     return (
         f"{r.name:28s} req/s best {best.req_s:7.0f} (runs {'/'.join(f'{x:.0f}' for x in rps)})  "
-        f"CPU ms/req min {min(cpu):.3f} med {statistics.median(cpu):.3f}  cores {best.server_cores}  "
+        f"CPU ms/req min {min(cpu):.3f} med {statistics.median(cpu):.3f}  "
+        f"cores {best.server_cores}  "
         f"c1 p50 {min(c1):.2f} ms  ttft p50 {r.ttft_p50_ms:.2f} total p50/p99 "
         f"{r.total_p50_ms:.2f}/{r.total_p99_ms:.2f} stalls {r.stalls_over_30ms}  "
         f"nodelay {r.tcp_nodelay}"

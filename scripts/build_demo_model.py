@@ -68,8 +68,9 @@ CHAT_TEMPLATE = """\
 {{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
 {%- if tools is not none and tools is defined and tools | length > 0 %}
     {{- 'Environment: ipython\\n\\n' }}
-    {{- 'You have access to the following functions. To call a function, reply with JSON of the '
-        'form {"name": function name, "parameters": dictionary of argument name and value}.\\n\\n' }}
+    {{- 'You have access to the following functions. To call a function, reply with JSON '
+        'of the form {"name": function name, "parameters": dictionary of argument name and '
+        'value}.\\n\\n' }}
     {%- for tool in tools %}
         {{- tool | tojson(indent=4) }}
         {{- '\\n\\n' }}
@@ -78,14 +79,15 @@ CHAT_TEMPLATE = """\
 {{- system_message + '<|eot_id|>' }}
 {%- for message in messages %}
     {%- if message['role'] not in ['user', 'assistant', 'tool', 'ipython'] %}
-        {{- raise_exception('Unsupported role: ' + message['role'] + '. Roles must be system (first '
-            'message only), user, assistant or tool.') }}
+        {{- raise_exception('Unsupported role: ' + message['role'] + '. Roles must be system '
+            '(first message only), user, assistant or tool.') }}
     {%- endif %}
     {%- if message['role'] == 'assistant' and message['tool_calls'] is defined
           and message['tool_calls'] %}
         {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
         {%- for tool_call in message['tool_calls'] %}
-            {%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}
+            {%- set call = tool_call['function'] if tool_call['function'] is defined
+                  else tool_call %}
             {{- '{"name": "' + call['name'] + '", "parameters": ' }}
             {%- if call['arguments'] is string %}
                 {{- call['arguments'] }}

@@ -19,4 +19,6 @@ async def chat(request: Request) -> Response:
         for ev in sse_events(req):
             yield ev
 
-    return Response(200, [(b"cache-control", b"no-cache")], StreamedContent(b"text/event-stream", gen))
+    return Response(
+        200, [(b"cache-control", b"no-cache")], StreamedContent(b"text/event-stream", gen)
+    )

@@ -76,7 +76,7 @@ def sse_events(req: ChatRequest) -> Iterator[bytes]:
     yield DONE
 
 
-def set_nodelay(sock: socket.socket | None) -> None:
-    """Disable Nagle on an accepted TCP socket (no-op for non-TCP transports)."""
+def set_nodelay(sock: socket.socket | None, on: bool = True) -> None:
+    """Set TCP_NODELAY on an accepted TCP socket (no-op for non-TCP transports)."""
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if on else 0)

@@ -24,7 +24,9 @@ async def ticker() -> None:
 
 
 async def main(port: int) -> None:
-    server = Server(app, address="127.0.0.1", port=port, interface=Interfaces.RSGI, log_access=False)
+    server = Server(
+        app, address="127.0.0.1", port=port, interface=Interfaces.RSGI, log_access=False
+    )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, server.stop)
     bg = asyncio.create_task(ticker(), name="ticker")

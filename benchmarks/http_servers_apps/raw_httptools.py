@@ -8,13 +8,16 @@ well-kept libraries); it bounds what the HTTP layer could cost.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+from typing import cast
 
 import httptools
 import uvloop
 
 from benchmarks.http_servers_apps.common import parse_request, set_nodelay, sse_events
 
+_NODELAY = os.environ.get("BENCH_NODELAY", "1") != "0"
 _HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -28,9 +31,10 @@ class HttpProto(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        set_nodelay(transport.get_extra_info("socket"))
+        # uvloop's TCPTransport is not an asyncio.Transport subclass, hence the cast.
+        self.transport = cast(asyncio.Transport, transport)
+        # BENCH_NODELAY=0 turns Nagle back on: the control case for the stall detector.
+        set_nodelay(transport.get_extra_info("socket"), _NODELAY)
 
     def data_received(self, data: bytes) -> None:
         try:

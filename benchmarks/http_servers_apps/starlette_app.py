@@ -19,7 +19,9 @@ async def chat(request: Request) -> StreamingResponse:
         for ev in sse_events(req):
             yield ev
 
-    return StreamingResponse(gen(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return StreamingResponse(
+        gen(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    )
 
 
 app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])

@@ -25,7 +25,7 @@ import msgspec
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.engine import EngineConfig, LLMEngine
-from dynamo.protocol.model_card import ModelCard, WorkerRole, compute_tokenizer_checksum
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId, new_instance_id
 from dynamo.runtime.runtime import DistributedRuntime, ServedEndpoint
@@ -72,11 +72,14 @@ class Worker:
         config: WorkerConfig,
         *,
         runtime: DistributedRuntime | None = None,
+        owns_runtime: bool | None = None,
     ) -> None:
+        """``runtime``: share one (e.g. several workers in one process); the worker shuts it
+        down only if it owns it (default: when it created it)."""
         if not engines:
             raise ValueError("a worker needs at least one engine")
         self.config = config
-        self._owns_runtime = runtime is None
+        self._owns_runtime = runtime is None if owns_runtime is None else owns_runtime
         self.runtime = runtime or DistributedRuntime(config.runtime)
         self._regs = [
             _Registration(e, EngineAdapter(e, strict=config.strict_validation), new_instance_id())
@@ -138,7 +141,7 @@ class Worker:
 
     async def _register(self) -> None:
         endpoint_id = self.config.endpoint_id()
-        checksum = compute_tokenizer_checksum(self.config.model_path)
+        checksum = _tokenizer_checksum(self.config.model_path)
         for reg in self._regs:
             assert reg.engine_config is not None
             reg.served = await self.runtime.serve_endpoint(
@@ -225,3 +228,15 @@ class Worker:
                 await reg.engine.cleanup()
             except Exception:
                 log.exception("engine.cleanup failed")
+
+
+def _tokenizer_checksum(model_path: str) -> str | None:
+    """The same checksum the frontend computes for the model's pipeline (None: no tokenizer)."""
+    if not model_path:
+        return None
+    from dynamo.preprocess.model_dir import tokenizer_checksum
+
+    try:
+        return tokenizer_checksum(model_path)
+    except (OSError, ValueError):
+        return None

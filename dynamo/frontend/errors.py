@@ -86,8 +86,10 @@ def _reply(
     return HTTPErrorReply(status, body, label, headers)
 
 
-def to_http(exc: BaseException) -> HTTPErrorReply:
-    """Map any exception to the reply a client sees."""
+def to_http(exc: BaseException, overload_status: int = 529) -> HTTPErrorReply:
+    """Map any exception to the reply a client sees (overload: 529 unless configured 503)."""
+    if isinstance(exc, E.Overloaded):
+        return _reply(overload_status, str(exc))
     if isinstance(exc, HTTPError):
         return _reply(exc.status, exc.message, exc.param)
     if isinstance(exc, msgspec.ValidationError):

@@ -1,7 +1,7 @@
 """KV block mechanism of one DP rank (FACTS §6.3): refcounted active blocks, an LRU inactive pool,
 prefix lookup by sequence hash, and the KV events (Stored / Removed) those changes produce.
 
-It decides nothing: the scheduler asks ``can``/``num_slots_needed`` first and then orders the change.
+It decides nothing: the scheduler checks ``num_slots_needed`` first, then orders the change.
 """
 
 from __future__ import annotations

@@ -7,15 +7,17 @@ when they meet, the pass samples one new token.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from enum import Enum
 
 import xxhash
 
+from dynamo.mocker.config import MockerConfig
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
+from dynamo.protocol.request import PreprocessedRequest
 from dynamo.router.hashing import local_block_hashes, next_sequence_hash
+from dynamo.runtime.errors import InvalidArgument
 
 
 class SequenceStatus(Enum):
@@ -46,7 +48,8 @@ class Sequence:
     min_tokens: int
     block_size: int
     lora_name: str | None
-    rng: random.Random
+    rng_state: int
+    """State of the output-token generator (``TokenSampler``), seeded per request."""
     stop_token_ids: frozenset[int]
     banned_token_ids: frozenset[int]
     """Never sampled: the request's EOS ids (special tokens), on top of the model's."""
@@ -130,8 +133,18 @@ def request_seed(request_id: str, seed: int | None) -> int:
     return int(xxhash.xxh3_64_intdigest(request_id.encode()))
 
 
+_LCG_MUL = 6364136223846793005  # Knuth's MMIX 64-bit LCG: cheap to seed, plenty for mock ids
+_LCG_INC = 1442695040888963407
+_MASK64 = (1 << 64) - 1
+
+
 class TokenSampler:
-    """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids)."""
+    """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids).
+
+    A per-sequence 64-bit LCG (its high 32 bits scaled to the vocabulary): deterministic per
+    seed and far cheaper to seed than ``random.Random``, which matters at thousands of requests
+    per second.
+    """
 
     __slots__ = ("_vocab_size", "_excluded")
 
@@ -141,10 +154,80 @@ class TokenSampler:
         self._vocab_size = vocab_size
         self._excluded = excluded
 
-    def sample(self, rng: random.Random, extra_excluded: frozenset[int]) -> int:
-        """One id. Rejection sampling: special ids are few, so this almost never loops."""
-        vocab, excluded = self._vocab_size, self._excluded
+    def sample(self, seq: Sequence) -> int:
+        """The next id of ``seq``. Rejection sampling: special ids are few, so this almost never
+        loops."""
+        vocab, excluded, banned = self._vocab_size, self._excluded, seq.banned_token_ids
+        state = seq.rng_state
         while True:
-            token = int(rng.random() * vocab)
-            if token not in excluded and token not in extra_excluded:
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            token = ((state >> 32) * vocab) >> 32
+            if token not in excluded and token not in banned:
+                seq.rng_state = state
                 return token
+
+
+def sequence_from_request(
+    config: MockerConfig,
+    request: PreprocessedRequest,
+    request_id: str,
+    now: float,
+    *,
+    seed_id: str | None = None,
+) -> Sequence:
+    """Build a request's state, applying the worker's role, or raise ``InvalidArgument`` if it
+    can never run on this worker: an empty prompt, prompt + max_tokens beyond the context
+    length or the KV pool of one rank, or (without chunked prefill) a prompt beyond the budget.
+
+    A prefill worker runs the prompt and one token; a decode worker takes the request's
+    handoff (``prefill_result``) and receives the prompt's KV instead of computing it. Output
+    ids are seeded by ``sampling.seed``, else by ``seed_id`` (default: ``request_id``).
+    """
+    isl = len(request.token_ids)
+    if isl == 0:
+        raise InvalidArgument("the prompt is empty")
+    room = config.max_model_len - isl
+    if room < 1:
+        raise InvalidArgument(f"a prompt of {isl} tokens leaves no room in the context")
+    max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens or 0
+    if config.disaggregation_mode == "prefill":
+        max_tokens, min_tokens = 1, 0
+    elif max_tokens is None:
+        max_tokens = room
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens must be at least 1")
+    if max_tokens > room:
+        raise InvalidArgument(
+            f"prompt ({isl}) + max_tokens ({max_tokens}) exceeds the context length "
+            f"({config.max_model_len})"
+        )
+    if min_tokens > max_tokens:
+        raise InvalidArgument("min_tokens exceeds max_tokens")
+    kv_tokens = isl + max_tokens - 1  # the last sampled token never needs a KV slot
+    if -(-kv_tokens // config.block_size) > config.num_gpu_blocks:
+        raise InvalidArgument(
+            f"the request needs {kv_tokens} KV tokens; the pool holds {config.total_kv_tokens}"
+        )
+    if not config.enable_chunked_prefill and isl > config.max_num_batched_tokens:
+        raise InvalidArgument(
+            f"a prompt of {isl} tokens exceeds max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) and chunked prefill is off"
+        )
+    eos = frozenset(request.eos_token_ids)
+    stop_ids = frozenset(request.stop.stop_token_ids)
+    handoff = request.prefill_result if config.disaggregation_mode == "decode" else None
+    return Sequence(
+        request_id=request_id,
+        tokens=list(request.token_ids),
+        num_prompt_tokens=isl,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        block_size=config.block_size,
+        lora_name=request.lora_name,
+        rng_state=request_seed(seed_id or request_id, request.sampling.seed) & _MASK64,
+        stop_token_ids=stop_ids if request.stop.ignore_eos else stop_ids | eos,
+        banned_token_ids=eos,
+        arrival=now,
+        handoff=handoff,
+        pending_transfer=handoff is not None,
+    )

@@ -37,26 +37,3 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
 
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def compute_tokenizer_checksum(model_path: str) -> str | None:
-    """sha256 over the model directory's tokenizer files (None if it has none).
-
-    Workers put it in their card; the frontend refuses a worker whose checksum disagrees with the
-    pipeline already built for that model.
-    """
-    import hashlib
-    import os
-
-    digest = hashlib.sha256()
-    found = False
-    for name in TOKENIZER_FILES:
-        path = os.path.join(model_path, name)
-        if os.path.isfile(path):
-            found = True
-            digest.update(name.encode())
-            with open(path, "rb") as fh:
-                digest.update(fh.read())
-    return digest.hexdigest() if found else None

@@ -44,15 +44,33 @@ def local_block_hashes(
     *,
     lora_name: str | None = None,
     salt: str | None = None,
+    is_eagle: bool = False,
+    block_mm_hashes: Sequence[Sequence[int] | None] | None = None,
 ) -> list[int]:
-    """Local hashes of every complete block of ``tokens`` (the partial tail is dropped)."""
+    """Local hashes of every complete block of ``tokens`` (the partial tail is dropped).
+
+    ``is_eagle``: each block's window also takes the next block's first token (stride unchanged).
+    ``block_mm_hashes[i]``: multimodal object hashes of block i, appended to its bytes as u64 LE in
+    ascending order (None or empty: a plain block).
+    """
     if block_size <= 0:
         return []
     seed = block_seed(lora_name, salt)
     data = _token_bytes(tokens)
     step = block_size * 4
-    n_blocks = len(tokens) // block_size
-    return [_xxh3(data[i * step : (i + 1) * step], seed) for i in range(n_blocks)]
+    if is_eagle:
+        n_blocks = max(0, (len(tokens) - 1) // block_size)
+        width = step + 4
+    else:
+        n_blocks = len(tokens) // block_size
+        width = step
+    out = [_xxh3(data[i * step : i * step + width], seed) for i in range(n_blocks)]
+    if block_mm_hashes:
+        for i, mm in enumerate(block_mm_hashes[:n_blocks]):
+            if mm:
+                extra = b"".join(struct.pack("<Q", h & _MASK64) for h in sorted(mm))
+                out[i] = _xxh3(data[i * step : i * step + width] + extra, seed)
+    return out
 
 
 def next_sequence_hash(parent: int, local: int) -> int:

@@ -209,14 +209,14 @@ class FileDiscovery:
                 _log.warning("file discovery scan of %s failed: %s", self.directory, exc)
 
     async def close(self) -> None:
-        """Revoke this client's leases (its keys vanish at once), stop polling, end its watches."""
+        """End this client's watches, then revoke its leases (their keys vanish at once)."""
         if self._closed:
             return
         self._closed = True
-        for lease in self._leases:
-            await lease.revoke()
-        self._leases.clear()
         await _cancel_and_wait(self._poll_task)
         self._poll_task = None
         for watch in list(self._watches):
             await watch.close()
+        for lease in self._leases:
+            await lease.revoke()
+        self._leases.clear()

@@ -232,8 +232,8 @@ class MemoryDiscovery:
         if self._closed:
             return
         self._closed = True
+        for watch in list(self._watches):
+            await watch.close()
         for lease in self._leases:
             await lease.revoke()
         self._leases.clear()
-        for watch in list(self._watches):
-            await watch.close()

@@ -1,0 +1,45 @@
+"""``python -m dynamo.frontend``: the OpenAI-compatible HTTP frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from dynamo.backend.run import configure_logging, run_async
+from dynamo.frontend.app import FrontendService
+from dynamo.frontend.config import FrontendConfig
+from dynamo.runtime.config import add_flag
+
+
+async def serve(config: FrontendConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop taking requests and shut down in order."""
+    service = FrontendService(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+        print(f"dynamo frontend: listening on http://{config.http_host}:{service.port}", flush=True)
+        await stop.wait()
+    finally:
+        await service.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = FrontendConfig.build_parser()
+    add_flag(parser, "--log-level", default="INFO", help="logging level")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        config = FrontendConfig.from_args(args)
+    except ValueError as exc:
+        print(f"dynamo frontend: {exc}", file=sys.stderr)
+        return 2
+    run_async(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

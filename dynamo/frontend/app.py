@@ -1,0 +1,214 @@
+"""The frontend service: HTTP server (granian, RSGI interface) + runtime + model registry.
+
+granian was chosen by measurement (docs/performance.md): its RSGI interface has the least Python
+per request. The embedded server runs in this process's event loop, next to the discovery
+watches, so handlers share state with them without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable
+from typing import Any
+
+from granian.server.embed import Server
+
+from dynamo.frontend.config import FrontendConfig
+from dynamo.frontend.errors import HTTPError
+from dynamo.frontend.generate import GenerateHandler
+from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
+from dynamo.frontend.pipeline import ModelPipeline
+from dynamo.frontend.routes import Routes, StreamSink
+from dynamo.observability.metrics import FrontendMetrics
+from dynamo.preprocess import Preprocessor, load_model_dir
+from dynamo.protocol.model_card import ModelCard
+from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
+from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+
+log = logging.getLogger(__name__)
+
+
+class _RSGIStream:
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+
+    async def send(self, data: bytes) -> None:
+        await self._transport.send_bytes(data)
+
+
+class _RSGIExchange:
+    """Adapts one granian RSGI request to the handlers' :class:`Exchange`."""
+
+    __slots__ = ("method", "path", "_scope", "_protocol")
+
+    def __init__(self, scope: Any, protocol: Any) -> None:
+        self.method: str = scope.method
+        self.path: str = scope.path
+        self._scope = scope
+        self._protocol = protocol
+
+    def header(self, name: str) -> str | None:
+        value = self._scope.headers.get(name)
+        return value if value else None
+
+    async def body(self, limit: int) -> bytes:
+        declared = self.header("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        data: bytes = await self._protocol()
+        if len(data) > limit:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        return data
+
+    def reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self._protocol.response_bytes(status, headers, body)
+
+    def start_stream(self, status: int, headers: list[tuple[str, str]]) -> StreamSink:
+        return _RSGIStream(self._protocol.response_stream(status, headers))
+
+    def disconnected(self) -> Awaitable[None]:
+        result: Awaitable[None] = self._protocol.client_disconnect()
+        return result
+
+
+class FrontendService:
+    """Owns the runtime (unless given one), the registry, the routes and the HTTP server."""
+
+    def __init__(
+        self,
+        config: FrontendConfig,
+        *,
+        runtime: DistributedRuntime | None = None,
+        hub: InProcessHub | None = None,
+    ) -> None:
+        self.config = config
+        self._owns_runtime = runtime is None
+        self.runtime = runtime or DistributedRuntime(config.runtime, hub)
+        self.metrics = FrontendMetrics(config.metrics_prefix)
+        self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
+            self.runtime,
+            self._build_pipeline,
+            retention_s=config.model_retention_s,
+            on_change=self._on_model_change,
+        )
+        self.generate = GenerateHandler(
+            self.registry,
+            self.metrics,
+            max_inflight=config.max_inflight,
+            body_limit=config.body_limit_bytes,
+            overload_status=config.overload_status,
+        )
+        self.routes = Routes(
+            self.registry, self.metrics, self.generate, overload_status=config.overload_status
+        )
+        self._server: Server | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self.port = config.http_port
+
+    async def _build_pipeline(self, card: ModelCard) -> ModelPipeline:
+        model_dir = await asyncio.to_thread(
+            load_model_dir, card.model_path, context_length=card.context_length
+        )
+        preprocessor = Preprocessor(
+            model_dir, served_model_name=card.served_model_name, context_length=card.context_length
+        )
+        return ModelPipeline(card.served_model_name, preprocessor, self._make_router(card))
+
+    def _make_router(self, card: ModelCard) -> Router:
+        mode = self.config.router_mode
+        if mode == "random":
+            return RandomRouter()
+        if mode == "kv":
+            from dynamo.router.kv_router import KVRouter
+
+            return KVRouter.for_model(self.runtime, card, self.config.kv, self.metrics.registry)
+        return RoundRobinRouter()
+
+    def _on_model_change(self, entry: ModelEntry[ModelPipeline], added: bool) -> None:
+        m = self.metrics
+        live = 1.0 if entry.cards else 0.0
+        m.model_ready.labels(entry.name).set(live)
+        if added and entry.cards:
+            card = entry.any_card
+            role = card.role.value
+            m.model_context_length.labels(entry.name, role).set(card.context_length)
+            m.model_kv_cache_block_size.labels(entry.name, role).set(card.kv_block_size)
+            total = sum(c.total_kv_blocks or 0 for c in entry.cards.values())
+            m.model_total_kv_blocks.labels(entry.name, role).set(total)
+            if card.max_num_seqs is not None:
+                m.model_max_num_seqs.labels(entry.name, role).set(card.max_num_seqs)
+            if card.max_num_batched_tokens is not None:
+                m.model_max_num_batched_tokens.labels(entry.name, role).set(
+                    card.max_num_batched_tokens
+                )
+
+    # -- RSGI entry point ---------------------------------------------------------------
+    async def __call__(self, scope: Any, protocol: Any) -> None:
+        if scope.proto != "http":
+            return
+        await self.routes(_RSGIExchange(scope, protocol))
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the runtime, follow model cards, and listen for HTTP."""
+        if self._owns_runtime:
+            await self.runtime.start()
+        await self.registry.start()
+        self.port = self._pick_port()
+        self._server = Server(
+            self,
+            address=self.config.http_host,
+            port=self.port,
+            log_enabled=False,
+            backlog=1024,
+        )
+        self._serve_task = asyncio.create_task(self._server.serve(), name="frontend-http")
+        await self._wait_listening()
+        log.info("frontend listening on http://%s:%d", self.config.http_host, self.port)
+
+    def _pick_port(self) -> int:
+        if self.config.http_port:
+            return self.config.http_port
+        # granian takes a port number, not a socket: find a free one (tests bind port 0).
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((self.config.http_host, 0))
+            port: int = probe.getsockname()[1]
+        return port
+
+    async def _wait_listening(self, timeout: float = 10.0) -> None:
+        host = "127.0.0.1" if self.config.http_host in ("0.0.0.0", "") else self.config.http_host
+        async with asyncio.timeout(timeout):
+            while True:
+                if self._serve_task is not None and self._serve_task.done():
+                    self._serve_task.result()
+                    raise RuntimeError("HTTP server exited during start-up")
+                try:
+                    _, writer = await asyncio.open_connection(host, self.port)
+                except OSError:
+                    await asyncio.sleep(0.02)
+                    continue
+                writer.close()
+                await writer.wait_closed()
+                return
+
+    async def stop(self) -> None:
+        """Stop taking requests, then close the registry and (if owned) the runtime."""
+        self.routes.draining = True
+        if self._server is not None:
+            self._server.stop()
+        if self._serve_task is not None:
+            try:
+                async with asyncio.timeout(10):
+                    await self._serve_task
+            except (TimeoutError, Exception):
+                log.warning("HTTP server did not stop cleanly", exc_info=True)
+                self._serve_task.cancel()
+            self._serve_task = None
+        await self.registry.close()
+        if self._owns_runtime:
+            await self.runtime.shutdown()

@@ -1,0 +1,214 @@
+"""Frontend configuration: flags with ``DYN_*`` twins, one frozen dataclass."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from dynamo.runtime.config import RuntimeConfig, add_flag
+
+ROUTER_MODES = ("round-robin", "random", "kv")
+
+
+@dataclass(frozen=True, slots=True)
+class KVRouterSettings:
+    """The KV router's knobs (reference flag names, FACTS §4)."""
+
+    temperature: float = 0.0
+    overlap_score_credit: float = 1.0
+    overlap_score_weight: float = 1.0
+    use_kv_events: bool = True
+    replica_sync: bool = False
+    ttl_secs: float = 120.0
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    track_active_blocks: bool = True
+    assume_kv_reuse: bool = True
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        d = KVRouterSettings()
+        g = parser.add_argument_group("kv router")
+        add_flag(
+            g,
+            "--router-temperature",
+            default=d.temperature,
+            type=float,
+            help="softmax temperature over worker costs (0 = pick the cheapest)",
+        )
+        add_flag(
+            g,
+            "--router-kv-overlap-score-credit",
+            default=d.overlap_score_credit,
+            type=float,
+            help="credit per cached block against prefill cost",
+        )
+        add_flag(
+            g,
+            "--kv-overlap-score-weight",
+            default=d.overlap_score_weight,
+            type=float,
+            help="weight of the prefill term (prefill_load_scale)",
+        )
+        add_flag(
+            g,
+            "--router-kv-events",
+            default=d.use_kv_events,
+            type=bool,
+            help="index KV events from workers (--no-router-kv-events: approximate mode)",
+        )
+        parser.add_argument(
+            "--no-kv-events",
+            dest="router_kv_events",
+            action="store_false",
+            help="alias of --no-router-kv-events",
+        )
+        add_flag(
+            g,
+            "--router-replica-sync",
+            default=d.replica_sync,
+            type=bool,
+            help="share active-load changes with other routers of the model",
+        )
+        add_flag(
+            g,
+            "--router-ttl-secs",
+            default=d.ttl_secs,
+            type=float,
+            help="approximate mode: how long a routed prefix counts as cached",
+        )
+        add_flag(
+            g,
+            "--active-decode-blocks-threshold",
+            default=None,
+            type=float,
+            help="busy when active decode blocks exceed this fraction of KV capacity",
+        )
+        add_flag(
+            g,
+            "--active-prefill-tokens-threshold",
+            default=None,
+            type=int,
+            help="busy when active prefill tokens exceed this",
+        )
+        add_flag(
+            g,
+            "--router-track-active-blocks",
+            default=d.track_active_blocks,
+            type=bool,
+            help="account active decode blocks per worker",
+        )
+        add_flag(
+            g,
+            "--router-assume-kv-reuse",
+            default=d.assume_kv_reuse,
+            type=bool,
+            help="deduplicate identical prefixes in active-block accounting",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KVRouterSettings:
+        return cls(
+            temperature=args.router_temperature,
+            overlap_score_credit=args.router_kv_overlap_score_credit,
+            overlap_score_weight=args.kv_overlap_score_weight,
+            use_kv_events=args.router_kv_events,
+            replica_sync=args.router_replica_sync,
+            ttl_secs=args.router_ttl_secs,
+            active_decode_blocks_threshold=args.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
+            track_active_blocks=args.router_track_active_blocks,
+            assume_kv_reuse=args.router_assume_kv_reuse,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    http_host: str = "0.0.0.0"
+    http_port: int = 8000
+    router_mode: str = "round-robin"
+    metrics_prefix: str = "dynamo_frontend"
+    max_inflight: int = 4096
+    overload_status: int = 529
+    body_limit_mb: float = 45.0
+    model_retention_s: float = 60.0
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    kv: KVRouterSettings = field(default_factory=KVRouterSettings)
+
+    def __post_init__(self) -> None:
+        if self.router_mode not in ROUTER_MODES:
+            raise ValueError(f"router mode must be one of {ROUTER_MODES}")
+        if self.max_inflight < 1:
+            raise ValueError("max in-flight requests must be at least 1")
+        if self.overload_status not in (503, 529):
+            raise ValueError("overload status must be 503 or 529")
+
+    @property
+    def body_limit_bytes(self) -> int:
+        return int(self.body_limit_mb * 1024 * 1024)
+
+    @staticmethod
+    def build_parser() -> argparse.ArgumentParser:
+        d = FrontendConfig()
+        parser = argparse.ArgumentParser(
+            "dynamo frontend", description="OpenAI-compatible frontend"
+        )
+        add_flag(parser, "--http-host", default=d.http_host, help="HTTP listen address")
+        add_flag(parser, "--http-port", default=d.http_port, type=int, help="HTTP port (0: any)")
+        add_flag(
+            parser,
+            "--router-mode",
+            default=d.router_mode,
+            choices=ROUTER_MODES,
+            help="how a worker is picked",
+        )
+        add_flag(parser, "--metrics-prefix", default=d.metrics_prefix, help="Prometheus prefix")
+        add_flag(
+            parser,
+            "--max-inflight-requests",
+            default=d.max_inflight,
+            type=int,
+            help="requests in flight before new ones are refused with --overload-status",
+        )
+        add_flag(
+            parser,
+            "--overload-status",
+            default=d.overload_status,
+            type=int,
+            choices=(503, 529),
+            env="DYN_HTTP_OVERLOAD_STATUS_CODE",
+            help="status for overload rejections",
+        )
+        add_flag(
+            parser,
+            "--body-limit-mb",
+            default=d.body_limit_mb,
+            type=float,
+            env="DYN_HTTP_BODY_LIMIT_MB",
+            help="largest accepted request body",
+        )
+        add_flag(
+            parser,
+            "--model-retention-secs",
+            default=d.model_retention_s,
+            type=float,
+            help="how long a model whose workers all left answers 503 instead of 404",
+        )
+        RuntimeConfig.add_arguments(parser)
+        KVRouterSettings.add_arguments(parser)
+        return parser
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
+        return cls(
+            http_host=args.http_host,
+            http_port=args.http_port,
+            router_mode=args.router_mode,
+            metrics_prefix=args.metrics_prefix,
+            max_inflight=args.max_inflight_requests,
+            overload_status=args.overload_status,
+            body_limit_mb=args.body_limit_mb,
+            model_retention_s=args.model_retention_secs,
+            runtime=RuntimeConfig.from_args(args),
+            kv=KVRouterSettings.from_args(args),
+        )

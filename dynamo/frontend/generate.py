@@ -1,0 +1,404 @@
+"""The generate endpoints (/v1/chat/completions, /v1/completions): parse, admit, preprocess,
+stream or fold, and account (metrics, router load, disconnects)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from dynamo.frontend.errors import HTTPError, error_payload, to_http
+from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
+from dynamo.frontend.pipeline import ChoiceStats, ModelPipeline, RunStats, run_choices
+from dynamo.frontend.streaming import (
+    DONE,
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    sse,
+    usage,
+)
+from dynamo.observability.metrics import FrontendMetrics
+from dynamo.preprocess import GenerationParams, Prepared
+from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
+from dynamo.protocol.request import RoutingHints
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import InvalidArgument, Overloaded
+
+if TYPE_CHECKING:
+    from dynamo.frontend.routes import Exchange
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_SUPPORTED_ANNOTATIONS = ("request_id", "formatted_prompt", "token_ids")
+
+
+class GenerateHandler:
+    def __init__(
+        self,
+        registry: ModelRegistry[ModelPipeline],
+        metrics: FrontendMetrics,
+        *,
+        max_inflight: int,
+        body_limit: int,
+        overload_status: int,
+    ) -> None:
+        self._registry = registry
+        self._m = metrics
+        self._max_inflight = max_inflight
+        self._body_limit = body_limit
+        self._overload_status = overload_status
+        self.inflight = 0
+
+    # -- entry points ----------------------------------------------------------------------
+    async def chat(self, http: Exchange) -> None:
+        await self._serve(http, "chat_completions")
+
+    async def completion(self, http: Exchange) -> None:
+        await self._serve(http, "completions")
+
+    async def _serve(self, http: Exchange, endpoint: str) -> None:
+        started = time.monotonic()
+        request_id = (
+            http.header("x-dynamo-request-id") or http.header("x-request-id") or uuid.uuid4().hex
+        )
+        id_headers = [("x-request-id", request_id), ("x-dynamo-request-id", request_id)]
+        model = "unknown"
+        request_type = "unary"
+        if self.inflight >= self._max_inflight:
+            self._fail(
+                http,
+                Overloaded("too many requests in flight"),
+                model,
+                endpoint,
+                request_type,
+                id_headers,
+            )
+            return
+        self.inflight += 1
+        try:
+            try:
+                body = await http.body(self._body_limit)
+                req: ChatCompletionRequest | CompletionRequest
+                if endpoint == "chat_completions":
+                    req = _chat_decoder.decode(body)
+                else:
+                    req = _completion_decoder.decode(body)
+                model = req.model
+                request_type = "stream" if req.stream else "unary"
+                entry = self._registry.get(req.model)
+                prepared = self._prepare(entry, req, request_id)
+            except Exception as exc:
+                self._fail(http, exc, model, endpoint, request_type, id_headers)
+                return
+            created = int(time.time())
+            fmt: Formatter
+            if isinstance(req, ChatCompletionRequest):
+                fmt = ChatFormatter(f"chatcmpl-{request_id}", req.model, created)
+            else:
+                fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created)
+            ctx = Context(request_id)
+            stats = RunStats([ChoiceStats() for _ in prepared])
+            self._m.active_requests.labels(model).inc()
+            self._m.inflight_requests.labels(model).inc()
+            status, error_type = "success", ""
+            try:
+                if req.stream:
+                    status, error_type = await self._stream(
+                        http, entry, req, prepared, ctx, stats, fmt, id_headers
+                    )
+                else:
+                    status, error_type = await self._unary(
+                        http, entry, req, prepared, ctx, stats, fmt, id_headers
+                    )
+            finally:
+                self._m.active_requests.labels(model).dec()
+                self._m.inflight_requests.labels(model).dec()
+                self._record(model, endpoint, request_type, status, error_type, started, stats)
+        finally:
+            self.inflight -= 1
+
+    # -- preprocessing -----------------------------------------------------------------------
+    def _prepare(
+        self,
+        entry: ModelEntry[ModelPipeline],
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+    ) -> list[Prepared]:
+        nv = req.nvext
+        annotations = (
+            [a for a in (nv.annotations or []) if a in _SUPPORTED_ANNOTATIONS] if nv else []
+        )
+        routing = None
+        if nv is not None and (nv.backend_instance_id is not None or nv.dp_rank is not None):
+            routing = RoutingHints(backend_instance_id=nv.backend_instance_id, dp_rank=nv.dp_rank)
+        max_tokens = req.max_tokens
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if isinstance(req, CompletionRequest) and max_tokens is None:
+            max_tokens = 16  # OpenAI's default for the legacy completions API
+        greedy = bool(nv and (nv.greedy_sampling or nv.greed_sampling))
+        stop_ids = list(req.stop_token_ids or [])
+        params = GenerationParams(
+            max_tokens=max_tokens,
+            min_tokens=_first(req.min_tokens, nv.min_tokens if nv else None),
+            stop=req.stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=bool(_first(nv.ignore_eos if nv else None, req.ignore_eos)),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=_first(nv.top_k if nv else None, req.top_k),
+            seed=req.seed,
+            repetition_penalty=_first(
+                nv.repetition_penalty if nv else None, req.repetition_penalty
+            ),
+            greedy=greedy,
+            n=req.n,
+            annotations=annotations,
+            request_id=request_id,
+            routing=routing,
+        )
+        pre = entry.pipeline.preprocessor
+        if isinstance(req, ChatCompletionRequest):
+            messages = msgspec.to_builtins(req.messages)
+            base = [
+                pre.chat(
+                    messages,
+                    params,
+                    tools=req.tools,
+                    add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                    use_raw_prompt=bool(nv and nv.use_raw_prompt),
+                )
+            ]
+        else:
+            try:
+                prompts = normalize_prompt(req.prompt)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            base = pre.completion(prompts if len(prompts) > 1 else prompts[0], params)
+        return _expand_n(base, req.n)
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def _stream(
+        self,
+        http: Exchange,
+        entry: ModelEntry[ModelPipeline],
+        req: ChatCompletionRequest | CompletionRequest,
+        prepared: list[Prepared],
+        ctx: Context,
+        stats: RunStats,
+        fmt: Formatter,
+        id_headers: list[tuple[str, str]],
+    ) -> tuple[str, str]:
+        deltas = run_choices(entry, prepared, ctx, stats, want_token_ids=_wants(req, "token_ids"))
+        # Route and reach the worker before committing to 200: an error before the first
+        # event is an HTTP error response (FACTS §10.2).
+        first: Any = None
+        try:
+            first = await anext(deltas, None)
+        except Exception as exc:
+            self._fail(http, exc, req.model, _endpoint(fmt), "stream", id_headers)
+            return "error", to_http(exc).error_type
+        sink = http.start_stream(200, [*SSE_HEADERS, *id_headers])
+        disconnect = asyncio.ensure_future(http.disconnected())
+        disconnect.add_done_callback(lambda _f: ctx.kill())
+        try:
+            for chunk in self._preamble(req, prepared, fmt, request_id=ctx.id):
+                await sink.send(chunk)
+            if first is not None:
+                await self._send_delta(sink, fmt, first, req)
+            async for delta in deltas:
+                await self._send_delta(sink, fmt, delta, req)
+            final = self._final_extras(req, stats)
+            if final:
+                await sink.send(fmt.extra_chunk(final))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                u = usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+                await sink.send(fmt.usage_chunk(u))
+            await sink.send(DONE)
+            return "success", ""
+        except Exception as exc:
+            if disconnect.done():
+                self._m.disconnected_clients.inc()
+                self._m.model_cancellation.labels(req.model, _endpoint(fmt), "stream").inc()
+                return "error", "cancelled"
+            reply = to_http(exc, self._overload_status)
+            try:  # an error after streaming began: an SSE error event, then [DONE]
+                await sink.send(sse(error_payload(exc), "error"))
+                await sink.send(DONE)
+            except Exception:
+                pass
+            return "error", reply.error_type
+        finally:
+            disconnect.cancel()
+            await deltas.aclose()
+
+    async def _send_delta(self, sink: Any, fmt: Formatter, delta: Any, req: Any) -> None:
+        if delta.token_ids is not None and _wants(req, "token_ids"):
+            await sink.send(fmt.extra_chunk({"token_ids": delta.token_ids}, "token_ids"))
+        await sink.send(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason))
+
+    def _preamble(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prepared: list[Prepared],
+        fmt: Formatter,
+        *,
+        request_id: str,
+    ) -> list[bytes]:
+        out: list[bytes] = []
+        if _wants(req, "request_id"):
+            out.append(fmt.extra_chunk({"request_id": request_id}, "request_id"))
+        if _wants(req, "formatted_prompt"):
+            out.append(
+                fmt.extra_chunk(
+                    {"formatted_prompt": prepared[0].formatted_prompt}, "formatted_prompt"
+                )
+            )
+        for i in range(len(prepared)):
+            role = fmt.role_chunk(i)
+            if role is not None:
+                out.append(role)
+        return out
+
+    def _final_extras(self, req: Any, stats: RunStats) -> dict[str, object] | None:
+        fields = (req.nvext.extra_fields or []) if req.nvext else []
+        if "worker_id" not in fields:
+            return None
+        sel = stats.choices[0].selection
+        if sel is None:
+            return None
+        return {"worker_id": {"decode_worker_id": sel.instance_id, "decode_dp_rank": sel.dp_rank}}
+
+    # -- unary -------------------------------------------------------------------------------
+    async def _unary(
+        self,
+        http: Exchange,
+        entry: ModelEntry[ModelPipeline],
+        req: ChatCompletionRequest | CompletionRequest,
+        prepared: list[Prepared],
+        ctx: Context,
+        stats: RunStats,
+        fmt: Formatter,
+        id_headers: list[tuple[str, str]],
+    ) -> tuple[str, str]:
+        texts: list[list[str]] = [[] for _ in prepared]
+        reasons: list[str | None] = [None] * len(prepared)
+        want_ids = _wants(req, "token_ids")
+        token_ids: list[int] = []
+        disconnect = asyncio.ensure_future(http.disconnected())
+        disconnect.add_done_callback(lambda _f: ctx.kill())
+        try:
+            async for delta in run_choices(entry, prepared, ctx, stats, want_token_ids=want_ids):
+                texts[delta.index].append(delta.text)
+                if delta.finish_reason is not None:
+                    reasons[delta.index] = delta.finish_reason
+                if delta.token_ids:
+                    token_ids.extend(delta.token_ids)
+        except Exception as exc:
+            if disconnect.done():
+                self._m.disconnected_clients.inc()
+                return "error", "cancelled"
+            self._fail(http, exc, req.model, _endpoint(fmt), "unary", id_headers)
+            return "error", to_http(exc).error_type
+        finally:
+            disconnect.cancel()
+        nvext: dict[str, object] = {}
+        if _wants(req, "request_id"):
+            nvext["request_id"] = ctx.id
+        if _wants(req, "formatted_prompt"):
+            nvext["formatted_prompt"] = prepared[0].formatted_prompt
+        if want_ids:
+            nvext["token_ids"] = token_ids
+        nvext.update(self._final_extras(req, stats) or {})
+        u = usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+        body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None)
+        http.reply(200, [*JSON_HEADERS, *id_headers], body)
+        return "success", ""
+
+    # -- accounting ----------------------------------------------------------------------------
+    def _fail(
+        self,
+        http: Exchange,
+        exc: BaseException,
+        model: str,
+        endpoint: str,
+        request_type: str,
+        extra_headers: list[tuple[str, str]],
+    ) -> None:
+        reply = to_http(exc, self._overload_status)
+        if reply.error_type == "overload":
+            self._m.model_rejection.labels(model, endpoint).inc()
+        self._m.requests.labels(model, endpoint, request_type, "error", reply.error_type).inc()
+        http.reply(reply.status, [*JSON_HEADERS, *reply.headers, *extra_headers], reply.body)
+
+    def _record(
+        self,
+        model: str,
+        endpoint: str,
+        request_type: str,
+        status: str,
+        error_type: str,
+        started: float,
+        stats: RunStats,
+    ) -> None:
+        m = self._m
+        m.requests.labels(model, endpoint, request_type, status, error_type).inc()
+        m.request_duration.labels(model).observe(time.monotonic() - started)
+        m.input_tokens.labels(model).observe(stats.prompt_tokens)
+        m.output_tokens.labels(model).observe(stats.completion_tokens)
+        m.output_tokens_total.labels(model).inc(stats.completion_tokens)
+        first = stats.first_token_at
+        if first is not None:
+            m.ttft.labels(model).observe(first - started)
+        itl = m.itl.labels(model)
+        for choice in stats.choices:
+            for gap in choice.itls:
+                itl.observe(gap)
+        if stats.cached_tokens is not None:
+            m.cached_tokens.labels(model).observe(stats.cached_tokens)
+
+
+def _first(*values: Any) -> Any:
+    for value in values:
+        if value is not None:
+            return value
+    return None
+
+
+def _wants(req: Any, annotation: str) -> bool:
+    nv = req.nvext
+    return bool(nv is not None and nv.annotations and annotation in nv.annotations)
+
+
+def _endpoint(fmt: Formatter) -> str:
+    return "chat_completions" if isinstance(fmt, ChatFormatter) else "completions"
+
+
+def _expand_n(base: list[Prepared], n: int) -> list[Prepared]:
+    """n choices per prompt (OpenAI order: prompt-major); each its own engine request."""
+    if n == 1:
+        return base
+    out: list[Prepared] = []
+    for prompt_idx, p in enumerate(base):
+        for i in range(n):
+            req = msgspec.structs.replace(
+                p.request,
+                request_id=f"{p.request.request_id}-{prompt_idx * n + i}",
+                sampling=msgspec.structs.replace(
+                    p.request.sampling,
+                    seed=None if p.request.sampling.seed is None else p.request.sampling.seed + i,
+                ),
+            )
+            out.append(Prepared(req, p.formatted_prompt, list(p.stop), p.skip_special_tokens))
+    return out
+
+
+__all__ = ["Awaitable", "GenerateHandler", "HTTPError"]

@@ -1,0 +1,233 @@
+"""The request flow in one file: preprocess -> route -> transport -> detokenize.
+
+``ModelPipeline`` is built once per model (from its first model card). ``run_choices`` turns one
+preprocessed request (n choices, or a prompt batch) into a single stream of :class:`ChoiceDelta`
+in arrival order; the HTTP layer formats them as OpenAI chunks (streaming) or folds them (unary).
+Every exit path (end, error, client disconnect) frees the request's router load and cancels the
+engine-side request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynamo.frontend.model_registry import ModelEntry
+from dynamo.preprocess import Prepared, Preprocessor
+from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.output import FinishReason, LLMEngineOutput
+from dynamo.protocol.request import RoutingHints
+from dynamo.router.basic import Router, Selection
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import Cancelled, NoInstances, Unknown
+
+_request_encoder = msgspec.msgpack.Encoder()
+_output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
+
+DRAIN_TIMEOUT_S = 1.0
+"""After a stop string ends a choice, how long to wait for the engine's cancelled terminal
+(which carries usage, e.g. cached tokens) before giving up on it."""
+
+
+@dataclass(slots=True)
+class ModelPipeline:
+    """Everything per model: its preprocessor (tokenizer, template) and its router."""
+
+    name: str
+    preprocessor: Preprocessor
+    router: Router
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New text for one choice; ``finish_reason`` set on the choice's last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class ChoiceStats:
+    """Per-choice accounting, filled while streaming (usage, timing, placement)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    itls: list[float] = field(default_factory=list)
+    selection: Selection | None = None
+
+
+@dataclass(slots=True)
+class RunStats:
+    choices: list[ChoiceStats]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        values = [c.cached_tokens for c in self.choices if c.cached_tokens is not None]
+        return sum(values) if values else None
+
+    @property
+    def first_token_at(self) -> float | None:
+        times = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        return min(times) if times else None
+
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+def _candidates(entry: ModelEntry[ModelPipeline]) -> list[ModelCard]:
+    role = entry.serving_role()
+    live = entry.live_instance_ids(role)
+    if not live:
+        raise NoInstances(f"Model temporarily unavailable: {entry.name!r} has no live instance")
+    return [entry.cards[i] for i in live]
+
+
+async def stream_choice(
+    entry: ModelEntry[ModelPipeline],
+    prepared: Prepared,
+    ctx: Context,
+    index: int,
+    stats: ChoiceStats,
+    *,
+    want_token_ids: bool = False,
+) -> AsyncIterator[ChoiceDelta]:
+    """One choice: route, send, detokenize. Raises DynamoError on failure."""
+    pipeline = entry.pipeline
+    request = prepared.request
+    request_id = request.request_id or ctx.id
+    stats.prompt_tokens = len(request.token_ids)
+    selection = pipeline.router.select(request, _candidates(entry))
+    stats.selection = selection
+    if selection.dp_rank is not None:
+        hints = request.routing or RoutingHints()
+        hints.dp_rank = selection.dp_rank
+        request.routing = hints
+    client = entry.clients[entry.serving_role()]
+    detok = pipeline.preprocessor.detokenizer(prepared)
+    stream = client.stream(_request_encoder.encode(request), ctx, instance_id=selection.instance_id)
+    decode = _output_decoder.decode
+    first = True
+    try:
+        async for raw in stream:
+            out = decode(raw)
+            if out.usage is not None and out.usage.cached_tokens is not None:
+                stats.cached_tokens = out.usage.cached_tokens
+            if out.token_ids:
+                now = time.monotonic()
+                if first:
+                    first = False
+                    stats.first_token_at = now
+                    pipeline.router.on_first_token(request_id)
+                elif stats.last_token_at is not None:
+                    stats.itls.append(now - stats.last_token_at)
+                stats.last_token_at = now
+                res = detok.add(out.token_ids)
+                stats.completion_tokens = detok.num_tokens
+                ids = out.token_ids if want_token_ids else None
+                if res.finished is not None:
+                    yield ChoiceDelta(index, res.text, "stop", ids)
+                    await _drain_after_stop(stream, ctx, stats)
+                    return
+                if out.finish_reason is None:
+                    if res.text or ids:
+                        yield ChoiceDelta(index, res.text, None, ids)
+                    continue
+                text = res.text
+            else:
+                text = ""
+                if out.finish_reason is None:
+                    continue
+            reason = out.finish_reason
+            if reason is FinishReason.ERROR:
+                raise Unknown(out.error or "engine error")
+            if reason is FinishReason.CANCELLED:
+                raise Cancelled("the engine cancelled the request")
+            text += detok.flush().text
+            yield ChoiceDelta(index, text, _FINISH[reason], ids if out.token_ids else None)
+            return
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+        pipeline.router.on_finish(request_id)
+
+
+async def _drain_after_stop(stream: AsyncIterator[bytes], ctx: Context, stats: ChoiceStats) -> None:
+    """A stop string ended the choice: cancel the engine and wait briefly for its terminal."""
+    ctx.stop_generating()
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for raw in stream:
+                out = _output_decoder.decode(raw)
+                if out.usage is not None and out.usage.cached_tokens is not None:
+                    stats.cached_tokens = out.usage.cached_tokens
+                if out.finish_reason is not None:
+                    return
+    except (TimeoutError, Exception):  # the choice is complete either way
+        return
+
+
+async def run_choices(
+    entry: ModelEntry[ModelPipeline],
+    prepared: Sequence[Prepared],
+    ctx: Context,
+    stats: RunStats,
+    *,
+    want_token_ids: bool = False,
+) -> AsyncIterator[ChoiceDelta]:
+    """All choices of one HTTP request, merged in arrival order (choice i = prepared[i])."""
+    if len(prepared) == 1:  # the common case: no tasks, no queue
+        async for delta in stream_choice(
+            entry, prepared[0], ctx, 0, stats.choices[0], want_token_ids=want_token_ids
+        ):
+            yield delta
+        return
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        child = ctx.child(f"{ctx.id}-{i}")
+        try:
+            async for delta in stream_choice(
+                entry, prepared[i], child, i, stats.choices[i], want_token_ids=want_token_ids
+            ):
+                await queue.put(delta)
+            await queue.put(None)
+        except BaseException as exc:  # forwarded to the consumer, which raises it
+            await queue.put(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            child.detach()
+
+    tasks = [
+        asyncio.create_task(pump(i), name=f"choice-{ctx.id}-{i}") for i in range(len(prepared))
+    ]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

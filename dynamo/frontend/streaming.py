@@ -1,0 +1,182 @@
+"""OpenAI response shaping: SSE framing of chunks, and folding a stream into a unary response."""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynamo.protocol.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionUsage,
+    PromptTokensDetails,
+)
+
+_encoder = msgspec.json.Encoder()
+encode_json = _encoder.encode
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+    ("x-accel-buffering", "no"),
+]
+JSON_HEADERS = [("content-type", "application/json")]
+
+
+def sse(payload: bytes, event: str | None = None) -> bytes:
+    if event is None:
+        return b"data: " + payload + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int | None) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class ChatFormatter:
+    """Builds chat.completion chunks / responses for one request (one id, one model)."""
+
+    object_name = "chat"
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = created
+
+    def role_chunk(self, index: int) -> bytes:
+        return sse(
+            encode_json(
+                self._chunk(
+                    [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
+                )
+            )
+        )
+
+    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        delta = ChatDelta(content=text) if text else ChatDelta()
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return sse(encode_json(self._chunk([choice])))
+
+    def extra_chunk(self, nvext: dict[str, object], event: str | None = None) -> bytes:
+        return sse(encode_json(self._chunk([], nvext=nvext)), event)
+
+    def usage_chunk(self, u: CompletionUsage) -> bytes:
+        return sse(encode_json(self._chunk([], usage=u)))
+
+    def _chunk(
+        self,
+        choices: list[ChatChunkChoice],
+        *,
+        usage: CompletionUsage | None = None,
+        nvext: dict[str, object] | None = None,
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            nvext=nvext,
+        )
+
+    def response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        u: CompletionUsage,
+        nvext: dict[str, object] | None,
+    ) -> bytes:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(role="assistant", content=texts[i]),
+                finish_reason=finish_reasons[i],
+            )
+            for i in range(len(texts))
+        ]
+        return encode_json(
+            ChatCompletionResponse(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=u,
+                nvext=nvext,
+            )
+        )
+
+
+class CompletionFormatter:
+    """Builds text_completion chunks / responses for one request."""
+
+    object_name = "completion"
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = created
+
+    def role_chunk(self, index: int) -> bytes | None:
+        return None
+
+    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+        return sse(encode_json(self._chunk([choice])))
+
+    def extra_chunk(self, nvext: dict[str, object], event: str | None = None) -> bytes:
+        return sse(encode_json(self._chunk([], nvext=nvext)), event)
+
+    def usage_chunk(self, u: CompletionUsage) -> bytes:
+        return sse(encode_json(self._chunk([], usage=u)))
+
+    def _chunk(
+        self,
+        choices: list[CompletionChoice],
+        *,
+        usage: CompletionUsage | None = None,
+        nvext: dict[str, object] | None = None,
+    ) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            nvext=nvext,
+        )
+
+    def response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        u: CompletionUsage,
+        nvext: dict[str, object] | None,
+    ) -> bytes:
+        choices = [
+            CompletionChoice(index=i, text=texts[i], finish_reason=finish_reasons[i])
+            for i in range(len(texts))
+        ]
+        return encode_json(
+            CompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=u,
+                nvext=nvext,
+            )
+        )
+
+
+Formatter = ChatFormatter | CompletionFormatter

@@ -1,0 +1,342 @@
+"""``MockerEngine``: the mocker as an ``LLMEngine``. One step-loop task per DP rank owns that
+rank's scheduler and KV pool; requests reach it through an inbox and leave through per-request
+collectors that coalesce tokens when the consumer is slow (the loop never waits on a consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.scheduler import Scheduler, StepOutput
+from dynamo.mocker.sequence import Sequence, sequence_from_request
+from dynamo.mocker.timing import Clock, RealClock
+from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.protocol.kv_events import KVEventBatch
+from dynamo.protocol.load import WorkerLoad
+from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
+from dynamo.protocol.request import PreprocessedRequest
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
+"""Receives each pass's KV events of one rank, in order (the worker publishes them)."""
+LoadSink = Callable[[WorkerLoad], Awaitable[None]]
+"""Receives a rank's load after every pass that changed it."""
+
+
+class _Collector:
+    """Outputs of one request, from the step loop to its ``generate`` consumer. Tokens pile up
+    while the consumer is busy and are taken all at once (coalescing)."""
+
+    __slots__ = ("tokens", "terminal", "error", "done", "cancelled", "waiter")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.terminal: LLMEngineOutput | None = None
+        self.error: DynamoError | None = None
+        self.done = False  # the scheduler no longer knows the request
+        self.cancelled = False  # abort(ctx) freed it: end with a cancelled terminal
+        self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits
+
+    def wake(self, _ctx: Context | None = None) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+@dataclass(slots=True)
+class _Rank:
+    """One DP rank: its scheduler, the inbox its loop drains, and the live collectors."""
+
+    index: int
+    scheduler: Scheduler
+    inbox: list[tuple[Sequence | None, str]] = field(default_factory=list)
+    collectors: dict[str, _Collector] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    last_load: WorkerLoad | None = None
+
+
+class MockerEngine(LLMEngine):
+    """A simulated vLLM-like engine (FACTS §6). See ``LLMEngine`` for the lifecycle contract.
+
+    ``request.routing.dp_rank`` picks the rank (else the one with the fewest live requests).
+    KV events and load go to the optional sinks, awaited by the step loop once per pass, in order;
+    a sink must not block for long (queue and publish elsewhere if needed).
+    """
+
+    def __init__(
+        self,
+        config: MockerConfig,
+        *,
+        clock: Clock | None = None,
+        kv_event_sink: KVEventSink | None = None,
+        load_sink: LoadSink | None = None,
+    ) -> None:
+        self.config = config
+        self.clock: Clock = clock or RealClock()
+        self.kv_event_sink = kv_event_sink
+        self.load_sink = load_sink
+        self.worker_id: int | None = None
+        self._ranks: list[_Rank] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._keys = itertools.count()
+        self._ctx_keys: dict[str, set[str]] = {}
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, worker_id: int) -> EngineConfig:
+        cfg = self.config
+        if self._tasks:
+            raise RuntimeError("MockerEngine.start() called twice")
+        self.worker_id = worker_id
+        if cfg.startup_time:
+            await self.clock.sleep(cfg.startup_time)  # simulated model load
+        self._ranks = [_Rank(r, Scheduler(cfg, dp_rank=r)) for r in range(cfg.data_parallel_size)]
+        self._tasks = [
+            asyncio.create_task(self._step_loop(rank), name=f"mocker-step:{worker_id:x}:{r}")
+            for r, rank in enumerate(self._ranks)
+        ]
+        return EngineConfig(
+            model=cfg.model_path or cfg.served_model_name,
+            served_model_name=cfg.served_model_name,
+            context_length=cfg.max_model_len,
+            kv_block_size=cfg.block_size,
+            total_kv_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            data_parallel_size=cfg.data_parallel_size,
+        )
+
+    async def drain(self) -> None:
+        """Called after the grace period: refuse new requests and fail those still in flight."""
+        self._closed = True
+        self._fail_all(EngineShutdown("the mocker is shutting down"))
+
+    async def cleanup(self) -> None:
+        """Stop the step loops and end every open stream. Idempotent; safe before start()."""
+        self._closed = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._fail_all(EngineShutdown("the mocker was cleaned up"))
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, request: PreprocessedRequest, ctx: GenerateContext
+    ) -> AsyncGenerator[LLMEngineOutput, None]:
+        if self._closed or not self._tasks:
+            raise EngineShutdown("the mocker is not running")
+        rank = self._pick_rank(request)
+        key = f"{ctx.id}#{next(self._keys)}"
+        seq = sequence_from_request(
+            self.config, request, key, self.clock.now(), seed_id=request.request_id or ctx.id
+        )
+        col = _Collector()
+        rank.collectors[key] = col
+        self._ctx_keys.setdefault(ctx.id, set()).add(key)
+        rank.inbox.append((seq, key))
+        rank.wake.set()
+        remove_monitor = ctx.on_stop(col.wake)
+        loop = asyncio.get_running_loop()
+        n_out = 0
+        try:
+            while True:
+                if (col.cancelled or ctx.is_stopped()) and col.terminal is None:
+                    n_out += len(col.tokens)
+                    yield _terminal(FinishReason.CANCELLED, col.tokens, seq, n_out)
+                    return
+                if col.error is not None:
+                    raise col.error
+                if col.terminal is not None:
+                    yield _with_tokens(col.terminal, col.tokens)
+                    return
+                if col.tokens:
+                    tokens, col.tokens = col.tokens, []
+                    n_out += len(tokens)
+                    yield LLMEngineOutput(token_ids=tokens)
+                    continue
+                col.waiter = loop.create_future()
+                await col.waiter
+                col.waiter = None
+        finally:
+            remove_monitor()
+            rank.collectors.pop(key, None)
+            keys = self._ctx_keys.get(ctx.id)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._ctx_keys[ctx.id]
+            if not col.done:  # still queued or running: free it (on any exit path)
+                rank.inbox.append((None, key))
+                rank.wake.set()
+
+    async def abort(self, ctx: Context) -> None:
+        """Free the context's requests now; their streams end with a ``cancelled`` terminal."""
+        for key in list(self._ctx_keys.get(ctx.id, ())):
+            for rank in self._ranks:
+                col = rank.collectors.get(key)
+                if col is not None and not col.done:
+                    col.cancelled = True
+                    rank.inbox.append((None, key))
+                    rank.wake.set()
+                    col.wake()
+
+    def _pick_rank(self, request: PreprocessedRequest) -> _Rank:
+        hint = request.routing.dp_rank if request.routing is not None else None
+        if hint is None:
+            return min(self._ranks, key=lambda r: len(r.collectors))
+        if not 0 <= hint < len(self._ranks):
+            raise InvalidArgument(f"dp_rank {hint} out of range [0, {len(self._ranks)})")
+        return self._ranks[hint]
+
+    # -- the step loop -------------------------------------------------------------------------
+    async def _step_loop(self, rank: _Rank) -> None:
+        sched = rank.scheduler
+        try:
+            await self._publish_load(rank)  # routers learn the capacity before any request
+            while True:
+                self._drain_inbox(rank)
+                if not sched.has_work:
+                    rank.wake.clear()
+                    await rank.wake.wait()
+                    continue
+                out = sched.step(self.clock.now())
+                if out.is_empty:  # every running request awaits its KV transfer
+                    await self._idle_until(rank, sched.next_ready_at())
+                    continue
+                if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
+                    await self.clock.sleep(out.start + out.duration - self.clock.now())
+                else:
+                    await asyncio.sleep(0)  # speedup 0: still let consumers and arrivals run
+                self._deliver(rank, out)
+                await self._publish(rank, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("mocker step loop of rank %d crashed", rank.index)
+            self._closed = True
+            self._fail_all(EngineShutdown("the mocker's step loop crashed"))
+
+    def _drain_inbox(self, rank: _Rank) -> None:
+        inbox, rank.inbox = rank.inbox, []
+        for seq, key in inbox:
+            if seq is not None:
+                rank.scheduler.enqueue(seq)
+            elif rank.scheduler.abort(key):
+                col = rank.collectors.get(key)
+                if col is not None:
+                    col.done = True
+
+    async def _idle_until(self, rank: _Rank, ready_at: float | None) -> None:
+        """Wait for new inbox items or, at the latest, until ``ready_at``."""
+        rank.wake.clear()
+        if rank.inbox:
+            return
+        waiters: list[asyncio.Task[object]] = [
+            asyncio.create_task(rank.wake.wait(), name=f"mocker-idle-wake:{rank.index}")
+        ]
+        if ready_at is not None:
+            delay = max(0.0, ready_at - self.clock.now())
+            waiters.append(
+                asyncio.create_task(self.clock.sleep(delay), name=f"mocker-idle:{rank.index}")
+            )
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+    def _deliver(self, rank: _Rank, out: StepOutput) -> None:
+        collectors = rank.collectors
+        for seq, token in out.tokens:
+            col = collectors.get(seq.request_id)
+            if col is not None:
+                col.tokens.append(token)
+                col.wake()
+        for seq in out.finished:
+            col = collectors.get(seq.request_id)
+            if col is not None:
+                col.done = True
+                col.terminal = self._finish_chunk(rank, seq)
+                col.wake()
+
+    def _finish_chunk(self, rank: _Rank, seq: Sequence) -> LLMEngineOutput:
+        reason = seq.finish_reason or FinishReason.STOP
+        out = _terminal(reason, [], seq, seq.num_output_tokens)
+        if self.config.disaggregation_mode == "prefill":
+            n_full = seq.num_prompt_tokens // self.config.block_size
+            out.disaggregated_params = DisaggregatedParams(
+                prefill_worker_id=self.worker_id or 0,
+                prefill_dp_rank=rank.index,
+                block_hashes=seq.block_hashes[:n_full],
+                num_prompt_tokens=seq.num_prompt_tokens,
+            )
+        return out
+
+    async def _publish(self, rank: _Rank, out: StepOutput) -> None:
+        if out.events and self.kv_event_sink is not None:
+            batch = KVEventBatch(worker_id=self.worker_id or 0, events=out.events)
+            try:
+                await self.kv_event_sink(batch)
+            except Exception:
+                log.exception("KV event sink failed (rank %d)", rank.index)
+        await self._publish_load(rank)
+
+    async def _publish_load(self, rank: _Rank) -> None:
+        """Send the rank's load if it changed since the last one sent."""
+        if self.load_sink is None:
+            return
+        load = rank.scheduler.load(self.worker_id or 0)
+        if load != rank.last_load:
+            rank.last_load = load
+            try:
+                await self.load_sink(load)
+            except Exception:
+                log.exception("load sink failed (rank %d)", rank.index)
+
+    def _fail_all(self, error: DynamoError) -> None:
+        for rank in self._ranks:
+            for col in rank.collectors.values():
+                if col.terminal is None and col.error is None:
+                    col.error = error
+                    col.wake()
+
+    # -- introspection (tests, benchmarks) -------------------------------------------------------
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        return [rank.scheduler for rank in self._ranks]
+
+    def check_invariants(self) -> None:
+        for rank in self._ranks:
+            rank.scheduler.check_invariants()
+
+
+def _terminal(
+    reason: FinishReason, tokens: list[int], seq: Sequence, completion_tokens: int
+) -> LLMEngineOutput:
+    usage = Usage(
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=seq.num_cached_tokens,
+    )
+    return LLMEngineOutput(token_ids=tokens, finish_reason=reason, usage=usage)
+
+
+def _with_tokens(out: LLMEngineOutput, tokens: list[int]) -> LLMEngineOutput:
+    if tokens:
+        out.token_ids = tokens + out.token_ids
+    return out

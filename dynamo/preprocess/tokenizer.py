@@ -1,0 +1,178 @@
+"""``Tokenizer``: a thin, fast wrapper over a Hugging Face ``tokenizers.Tokenizer``.
+
+It owns encoding (the frontend's hot path), batch decoding, special-token bookkeeping, and the
+per-token byte table that the incremental detokenizer uses for byte-level BPE tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable-char map as ``char -> byte`` (ByteLevel alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    byte_values = printable[:]
+    chars = printable[:]
+    shift = 0
+    for byte in range(256):
+        if byte not in printable:
+            byte_values.append(byte)
+            chars.append(256 + shift)
+            shift += 1
+    return {chr(char): byte for byte, char in zip(byte_values, chars, strict=True)}
+
+
+def _is_byte_level_decoder(decoder: Any) -> bool:
+    """True when decoding is exactly "concatenate the token bytes, then UTF-8 (lossy)"."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    if decoder.get("type") == "Sequence":
+        parts = decoder.get("decoders") or []
+        return len(parts) == 1 and _is_byte_level_decoder(parts[0])
+    return False
+
+
+class Tokenizer:
+    """Encodes and decodes text with a model's ``tokenizer.json``.
+
+    Immutable after construction and safe to share between concurrent requests. ``encode`` never
+    adds special tokens unless asked (chat templates already contain them).
+    """
+
+    __slots__ = (
+        "_raw",
+        "_vocab_size",
+        "_special_ids",
+        "_byte_level",
+        "_byte_tables",
+        "_token_texts",
+    )
+
+    def __init__(self, raw: tokenizers.Tokenizer) -> None:
+        self._raw = raw
+        # Padding/truncation would silently change what we send to engines.
+        raw.no_padding()
+        raw.no_truncation()
+        self._vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
+        added = raw.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._byte_level = _is_byte_level_decoder(json.loads(raw.to_str()).get("decoder"))
+        self._byte_tables: dict[bool, tuple[bytes, ...]] = {}
+        self._token_texts: dict[bool, dict[int, str]] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Load a ``tokenizer.json``."""
+        return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_str(cls, text: str) -> Tokenizer:
+        """Load the JSON text of a ``tokenizer.json``."""
+        return cls(tokenizers.Tokenizer.from_str(text))
+
+    @property
+    def raw(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (do not mutate it)."""
+        return self._raw
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._vocab_size
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (skipped when ``skip_special_tokens``)."""
+        return self._special_ids
+
+    @property
+    def is_byte_level(self) -> bool:
+        """Whether the decoder is byte-level BPE (GPT-2, Llama 3, Qwen, ...)."""
+        return self._byte_level
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (e.g. adds BOS)."""
+        # encode_batch_fast skips offset tracking: about 30 % cheaper than encode() here.
+        encoding = self._raw.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        ids: list[int] = encoding.ids
+        return ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        """Token ids of several texts (one call into Rust)."""
+        encodings = self._raw.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids`` (incomplete UTF-8 at the end decodes to U+FFFD)."""
+        text: str = self._raw.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (vocabulary form, e.g. ``"Ġthe"``), or None."""
+        token_id: int | None = self._raw.token_to_id(token)
+        return token_id
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id (vocabulary form), or None for an unknown id."""
+        token: str | None = self._raw.id_to_token(token_id)
+        return token
+
+    def byte_table(self, skip_special_tokens: bool = True) -> tuple[bytes, ...]:
+        """For byte-level tokenizers: the UTF-8 bytes each token id decodes to (index = id).
+
+        ``decode(ids)`` equals ``b"".join(table[i] for i in ids).decode("utf-8", "replace")``.
+        Special tokens map to ``b""`` when ``skip_special_tokens``. Built once per flag, then
+        cached. Raises ValueError when the tokenizer is not byte-level.
+        """
+        table = self._byte_tables.get(skip_special_tokens)
+        if table is None:
+            table = self._build_byte_table(skip_special_tokens)
+            self._byte_tables[skip_special_tokens] = table
+        return table
+
+    def token_texts(self, skip_special_tokens: bool = True) -> dict[int, str]:
+        """For byte-level tokenizers: the text of every token whose bytes are complete UTF-8 on
+        their own (most of the vocabulary; not the pieces of split multi-byte characters).
+        Built once per flag, then cached."""
+        texts = self._token_texts.get(skip_special_tokens)
+        if texts is None:
+            texts = {}
+            for token_id, data in enumerate(self.byte_table(skip_special_tokens)):
+                try:
+                    texts[token_id] = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+            self._token_texts[skip_special_tokens] = texts
+        return texts
+
+    def _build_byte_table(self, skip_special_tokens: bool) -> tuple[bytes, ...]:
+        if not self._byte_level:
+            raise ValueError("byte_table() needs a byte-level tokenizer")
+        char_to_byte = _bytes_to_unicode()
+        table: list[bytes] = []
+        for token_id in range(self._vocab_size):
+            token = self._raw.id_to_token(token_id)
+            if token is None or (skip_special_tokens and token_id in self._special_ids):
+                table.append(b"")
+                continue
+            # Same rule as the Rust ByteLevel decoder: map every char through the alphabet, or,
+            # if any char is outside it (e.g. an added token with a space), use its raw UTF-8.
+            try:
+                table.append(bytes(char_to_byte[char] for char in token))
+            except KeyError:
+                table.append(token.encode("utf-8"))
+        return tuple(table)

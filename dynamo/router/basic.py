@@ -1,0 +1,87 @@
+"""The router seam, and the basic policies: round-robin, random and direct.
+
+A router picks one (instance, DP rank) among a model's live candidates for each request, and
+hears about the request's progress (first token, end) so it can keep load accounting. Routers
+are driven by one task (the frontend's event loop) and are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.request import PreprocessedRequest
+from dynamo.runtime.errors import NoInstances
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    instance_id: int
+    dp_rank: int | None = None
+    overlap_blocks: int = 0
+
+
+class Router(Protocol):
+    def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
+        """Pick a target; raise NoInstances (none live) or Overloaded (all busy)."""
+        ...
+
+    def on_first_token(self, request_id: str) -> None: ...
+
+    def on_finish(self, request_id: str) -> None:
+        """The request ended (completed, failed or cancelled): free its load. Idempotent."""
+        ...
+
+
+def pinned(request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection | None:
+    """Direct routing: the request names its instance (nvext.backend_instance_id)."""
+    hints = request.routing
+    if hints is None or hints.backend_instance_id is None:
+        return None
+    for card in candidates:
+        if card.instance_id == hints.backend_instance_id:
+            return Selection(card.instance_id, hints.dp_rank)
+    raise NoInstances(f"instance {hints.backend_instance_id} is not a live worker of this model")
+
+
+class RoundRobinRouter:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
+        direct = pinned(request, candidates)
+        if direct is not None:
+            return direct
+        if not candidates:
+            raise NoInstances("no live instance")
+        idx = self._next % len(candidates)
+        self._next = idx + 1
+        return Selection(candidates[idx].instance_id)
+
+    def on_first_token(self, request_id: str) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass
+
+
+class RandomRouter:
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
+        direct = pinned(request, candidates)
+        if direct is not None:
+            return direct
+        if not candidates:
+            raise NoInstances("no live instance")
+        return Selection(candidates[self._rng.randrange(len(candidates))].instance_id)
+
+    def on_first_token(self, request_id: str) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,457 @@
+"""Active load per (worker_id, dp_rank): the one load-accounting implementation (FACTS §5).
+
+The KV router and the standalone slot tracker both keep their in-flight requests here. Pure
+in-process state: no I/O, no locks; one owner (a task or a handler) calls it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+# Counter.update's helper (C in CPython): mapping[item] += 1 for each item, at C speed.
+_count_elements: Callable[[dict[int, int], Iterable[int]], None] = getattr(  # noqa: B009
+    collections, "_count_elements"
+)
+
+log = logging.getLogger(__name__)
+
+WorkerRank = tuple[int, int]
+"""``(worker_id, dp_rank)``."""
+
+DEFAULT_EXPIRY_S = 300.0
+"""Requests older than this are freed as stale (``DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS``)."""
+EXPIRY_CHECK_INTERVAL_S = 30.0
+"""Stale requests are looked for at most this often, on ``add_request``."""
+
+
+class DuplicateRequest(ValueError):
+    """``add_request`` with a request id that is already active."""
+
+
+class UnknownWorkerRank(LookupError):
+    """``add_request`` on a (worker_id, dp_rank) that was never added (or was removed)."""
+
+
+class PotentialLoad(msgspec.Struct, gc=False):
+    """What one worker rank's load would be if a new request were added there.
+
+    ``potential_prefill_tokens`` = active prefill tokens + the new request's tokens;
+    ``potential_decode_blocks`` = active unique blocks + the request's blocks not already active;
+    ``active_requests`` = requests active there now (not counting the new one).
+    """
+
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class ActiveLoad(msgspec.Struct, gc=False):
+    """One worker rank's current load."""
+
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    active_requests: int
+
+
+class LoadProjection(msgspec.Struct, gc=False):
+    """One worker rank's load and what a new request would add there (the router's view).
+
+    ``new_decode_blocks``: the request's blocks not already active on the rank, so
+    potential decode blocks = ``active_decode_blocks + new_decode_blocks``.
+    """
+
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    new_decode_blocks: int
+    active_requests: int
+
+
+@dataclass(slots=True, eq=False)
+class _Rank:
+    worker_id: int
+    dp_rank: int
+    # Unique active block hash -> number of active requests holding it.
+    blocks: dict[int, int] = field(default_factory=dict)
+    # Blocks that are never shared (assume_kv_reuse=False): counted, not materialised.
+    private_blocks: int = 0
+    prefill_tokens: int = 0
+    num_requests: int = 0
+
+
+class _Request(msgspec.Struct, gc=False):
+    # A Struct (not a dataclass): created on every add, and Struct.__init__ runs in C.
+    rank: _Rank
+    hashes: tuple[int, ...]
+    private_blocks: int
+    prefill_tokens: int  # 0 once prefill completed
+    started_at: float
+
+
+class ActiveSequences:
+    """In-flight requests and the load they put on each (worker_id, dp_rank).
+
+    Per rank: the unique active prompt blocks (refcounted by sequence hash, so requests sharing a
+    prefix on one rank count it once), the prefill tokens of requests whose prefill has not
+    finished, and the number of active requests.
+
+    Lifecycle: ``add_request`` (touch each block, add prefill tokens) -> ``mark_prefill_completed``
+    (first token: prefill tokens leave, blocks stay) -> ``free`` (end, error or cancel: everything
+    leaves; blocks whose refcount drops to 0 leave the active set). Requests are kept in arrival
+    order; requests older than ``expiry_s`` are freed as stale (looked for at most every
+    ``expiry_check_interval_s``, on ``add_request``, or when ``expire_stale`` is called).
+
+    ``assume_kv_reuse=False`` (disaggregated decode: transferred blocks are not shared) counts
+    every block of every request as distinct, exactly as if each block had a fresh random hash;
+    the hashes are then only used for their number.
+
+    Hashes are opaque integers: the slot tracker passes the signed 64-bit values it received, the
+    router the unsigned ones from ``router.hashing``. Never mix both forms in one instance.
+
+    Not thread-safe; calls must come from one thread (the event loop).
+    """
+
+    __slots__ = (
+        "_block_size",
+        "_assume_kv_reuse",
+        "_expiry_s",
+        "_check_interval_s",
+        "_clock",
+        "_next_check",
+        "_ranks",
+        "_rank_list",
+        "_requests",
+    )
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        assume_kv_reuse: bool = True,
+        expiry_s: float = DEFAULT_EXPIRY_S,
+        expiry_check_interval_s: float = EXPIRY_CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if expiry_s <= 0 or expiry_check_interval_s < 0:
+            raise ValueError("expiry_s must be positive and expiry_check_interval_s >= 0")
+        self._block_size = block_size
+        self._assume_kv_reuse = assume_kv_reuse
+        self._expiry_s = expiry_s
+        self._check_interval_s = expiry_check_interval_s
+        self._clock = clock
+        self._next_check = clock() + expiry_check_interval_s
+        self._ranks: dict[WorkerRank, _Rank] = {}
+        self._rank_list: list[_Rank] = []  # iteration order of the load queries
+        self._requests: dict[str, _Request] = {}  # insertion order == arrival order
+
+    # ---------------------------------------------------------------- topology
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def assume_kv_reuse(self) -> bool:
+        return self._assume_kv_reuse
+
+    def add_worker(self, worker_id: int, dp_ranks: Iterable[int] = (0,)) -> None:
+        """Start tracking these ranks of ``worker_id`` (ranks already tracked stay as they are)."""
+        for dp_rank in dp_ranks:
+            key = (worker_id, dp_rank)
+            if key not in self._ranks:
+                rank = _Rank(worker_id, dp_rank)
+                self._ranks[key] = rank
+                self._rank_list.append(rank)
+
+    def remove_worker(self, worker_id: int, dp_ranks: Iterable[int] | None = None) -> list[str]:
+        """Stop tracking ``worker_id`` (all its ranks, or only ``dp_ranks``); frees its requests.
+
+        Returns the ids of the requests that were freed, in arrival order.
+        """
+        if dp_ranks is None:
+            gone = {rank for rank in self._rank_list if rank.worker_id == worker_id}
+        else:
+            gone = {r for d in dp_ranks if (r := self._ranks.get((worker_id, d))) is not None}
+        if not gone:
+            return []
+        freed = [rid for rid, req in self._requests.items() if req.rank in gone]
+        for rid in freed:
+            self.free(rid)
+        for rank in gone:
+            del self._ranks[(rank.worker_id, rank.dp_rank)]
+        self._rank_list = [rank for rank in self._rank_list if rank not in gone]
+        return freed
+
+    def has_rank(self, worker_id: int, dp_rank: int) -> bool:
+        return (worker_id, dp_rank) in self._ranks
+
+    def ranks(self) -> list[WorkerRank]:
+        """Tracked (worker_id, dp_rank) pairs, in the order they were added."""
+        return [(rank.worker_id, rank.dp_rank) for rank in self._rank_list]
+
+    # --------------------------------------------------------------- lifecycle
+
+    def add_request(
+        self,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: Sequence[int],
+        *,
+        new_isl_tokens: int = 0,
+        overlap_blocks: int = 0,
+    ) -> None:
+        """Record a request routed to (worker_id, dp_rank).
+
+        ``sequence_hashes``: one hash per prompt block (may be empty). Prefill load added:
+        ``max(0, new_isl_tokens - overlap_blocks * block_size)``; pass ``new_isl_tokens=0`` when
+        prefill tokens are not tracked. Raises DuplicateRequest or UnknownWorkerRank (and then
+        changes nothing).
+        """
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already active")
+        rank = self._ranks.get((worker_id, dp_rank))
+        if rank is None:
+            raise UnknownWorkerRank(f"worker {worker_id} dp_rank {dp_rank} is not registered")
+        now = self._clock()
+        if now >= self._next_check:
+            self.expire_stale(now)
+        prefill = new_isl_tokens - overlap_blocks * self._block_size
+        if prefill < 0:
+            prefill = 0
+        if self._assume_kv_reuse:
+            hashes = tuple(sequence_hashes)
+            _count_elements(rank.blocks, hashes)
+            private = 0
+        else:
+            hashes = ()
+            private = len(sequence_hashes)
+            rank.private_blocks += private
+        rank.prefill_tokens += prefill
+        rank.num_requests += 1
+        self._requests[request_id] = _Request(rank, hashes, private, prefill, now)
+
+    def mark_prefill_completed(self, request_id: str) -> bool:
+        """The request's first token was seen: its prefill tokens leave; its blocks stay.
+
+        Returns False for an unknown request; a repeat is a no-op that returns True.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.prefill_tokens:
+            req.rank.prefill_tokens -= req.prefill_tokens
+            req.prefill_tokens = 0
+        return True
+
+    def free(self, request_id: str) -> bool:
+        """The request ended (finished, failed or cancelled): release everything it held.
+
+        Returns False (and does nothing) for an unknown request.
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        rank = req.rank
+        rank.prefill_tokens -= req.prefill_tokens
+        rank.num_requests -= 1
+        rank.private_blocks -= req.private_blocks
+        blocks = rank.blocks
+        for block in req.hashes:
+            count = blocks[block]
+            if count == 1:
+                del blocks[block]
+            else:
+                blocks[block] = count - 1
+        return True
+
+    def expire_stale(self, now: float | None = None) -> list[str]:
+        """Free every request added more than ``expiry_s`` ago; returns their ids."""
+        if now is None:
+            now = self._clock()
+        self._next_check = now + self._check_interval_s
+        cutoff = now - self._expiry_s
+        stale: list[str] = []
+        for request_id, req in self._requests.items():  # oldest first
+            if req.started_at > cutoff:
+                break
+            stale.append(request_id)
+        for request_id in stale:
+            self.free(request_id)
+        if stale:
+            log.warning("freed %d stale request(s) older than %.0f s", len(stale), self._expiry_s)
+        return stale
+
+    # ----------------------------------------------------------------- queries
+
+    def potential_loads(
+        self, sequence_hashes: Collection[int], new_isl_tokens: int = 0
+    ) -> list[PotentialLoad]:
+        """Each tracked rank's load if a request with these blocks and tokens were added there.
+
+        Read-only. One entry per rank, in the order the ranks were added. A block repeated in
+        ``sequence_hashes`` counts once (a set may be passed directly).
+        """
+        load = PotentialLoad
+        if self._assume_kv_reuse:
+            query = sequence_hashes if isinstance(sequence_hashes, set) else set(sequence_hashes)
+            num_query = len(query)
+            # set.difference(dict) probes the dict with the set's cached hashes, in C.
+            difference = query.difference
+            return [
+                load(
+                    rank.worker_id,
+                    rank.dp_rank,
+                    rank.prefill_tokens + new_isl_tokens,
+                    len(blocks) + rank.private_blocks + len(difference(blocks))
+                    if (blocks := rank.blocks)
+                    else rank.private_blocks + num_query,
+                    rank.num_requests,
+                )
+                for rank in self._rank_list
+            ]
+        num_query = len(sequence_hashes)
+        return [
+            load(
+                rank.worker_id,
+                rank.dp_rank,
+                rank.prefill_tokens + new_isl_tokens,
+                len(rank.blocks) + rank.private_blocks + num_query,
+                rank.num_requests,
+            )
+            for rank in self._rank_list
+        ]
+
+    def project_loads(self, sequence_hashes: Collection[int]) -> list[LoadProjection]:
+        """Each tracked rank's load, split as the router's cost needs it. Read-only.
+
+        Same numbers as ``potential_loads`` without the new request's prefill tokens:
+        ``potential_decode_blocks == active_decode_blocks + new_decode_blocks``.
+        """
+        proj = LoadProjection
+        if self._assume_kv_reuse:
+            query = sequence_hashes if isinstance(sequence_hashes, set) else set(sequence_hashes)
+            difference = query.difference
+            return [
+                proj(
+                    rank.worker_id,
+                    rank.dp_rank,
+                    rank.prefill_tokens,
+                    len(rank.blocks) + rank.private_blocks,
+                    len(difference(rank.blocks)),
+                    rank.num_requests,
+                )
+                for rank in self._rank_list
+            ]
+        num_query = len(sequence_hashes)
+        return [
+            proj(
+                rank.worker_id,
+                rank.dp_rank,
+                rank.prefill_tokens,
+                len(rank.blocks) + rank.private_blocks,
+                num_query,
+                rank.num_requests,
+            )
+            for rank in self._rank_list
+        ]
+
+    def active_loads(self) -> list[ActiveLoad]:
+        """Each tracked rank's current load, in the order the ranks were added."""
+        return [
+            ActiveLoad(
+                rank.worker_id,
+                rank.dp_rank,
+                rank.prefill_tokens,
+                len(rank.blocks) + rank.private_blocks,
+                rank.num_requests,
+            )
+            for rank in self._rank_list
+        ]
+
+    def active_prefill_tokens(self, worker_id: int, dp_rank: int = 0) -> int:
+        """Prefill tokens of the rank's requests whose prefill has not completed (0 if unknown)."""
+        rank = self._ranks.get((worker_id, dp_rank))
+        return rank.prefill_tokens if rank is not None else 0
+
+    def active_decode_blocks(self, worker_id: int, dp_rank: int = 0) -> int:
+        """Unique active blocks on the rank (0 if unknown)."""
+        rank = self._ranks.get((worker_id, dp_rank))
+        return len(rank.blocks) + rank.private_blocks if rank is not None else 0
+
+    def active_requests(self, worker_id: int, dp_rank: int = 0) -> int:
+        """Active requests on the rank (0 if unknown)."""
+        rank = self._ranks.get((worker_id, dp_rank))
+        return rank.num_requests if rank is not None else 0
+
+    def worker_of(self, request_id: str) -> WorkerRank | None:
+        """Where an active request runs, or None."""
+        req = self._requests.get(request_id)
+        return None if req is None else (req.rank.worker_id, req.rank.dp_rank)
+
+    def is_prefill_pending(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        return req is not None and req.prefill_tokens > 0
+
+    def request_ids(self) -> list[str]:
+        """Active request ids in arrival order."""
+        return list(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Recompute every per-rank figure from the requests; raise AssertionError on a mismatch."""
+        expected: dict[int, tuple[dict[int, int], int, int, int]] = {
+            id(rank): ({}, 0, 0, 0) for rank in self._rank_list
+        }
+        if len(self._ranks) != len(self._rank_list):
+            raise AssertionError("rank index and rank list disagree")
+        for key, rank in self._ranks.items():
+            if key != (rank.worker_id, rank.dp_rank) or id(rank) not in expected:
+                raise AssertionError(f"rank index corrupt at {key}")
+        last = float("-inf")
+        for request_id, req in self._requests.items():
+            if id(req.rank) not in expected:
+                raise AssertionError(f"request {request_id!r} on an untracked rank")
+            if req.started_at < last:
+                raise AssertionError("requests are not in arrival order")
+            last = req.started_at
+            if req.prefill_tokens < 0 or (self._assume_kv_reuse and req.private_blocks):
+                raise AssertionError(f"request {request_id!r} has bad counters")
+            blocks, prefill, private, count = expected[id(req.rank)]
+            for block in req.hashes:
+                blocks[block] = blocks.get(block, 0) + 1
+            expected[id(req.rank)] = (
+                blocks,
+                prefill + req.prefill_tokens,
+                private + req.private_blocks,
+                count + 1,
+            )
+        for rank in self._rank_list:
+            blocks, prefill, private, count = expected[id(rank)]
+            actual = (rank.blocks, rank.prefill_tokens, rank.private_blocks, rank.num_requests)
+            if actual != (blocks, prefill, private, count):
+                raise AssertionError(
+                    f"rank {(rank.worker_id, rank.dp_rank)}: state {actual[1:]} with "
+                    f"{len(rank.blocks)} blocks, expected {(prefill, private, count)} "
+                    f"with {len(blocks)} blocks"
+                )

@@ -1,0 +1,156 @@
+"""``dynamo serve``: the one-command stack on this machine.
+
+Starts the frontend and N mocker workers as child processes sharing a temporary file-discovery
+directory, with the TCP request plane and the ZMQ event plane on 127.0.0.1, serving the demo model
+that ships in the package (or ``--model-path``). Any flag it does not know is passed to every
+mocker (``--speedup-ratio``, ``--block-size``, ...). Ctrl-C or SIGTERM stops every child cleanly.
+``--in-process`` runs the same stack in one process (memory discovery, in-process planes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_MODEL_PATH = str(Path(__file__).resolve().parent / "models" / "demo")
+DEMO_MODEL_NAME = "demo"
+STOP_TIMEOUT_S = 15.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        "dynamo serve", description="frontend + N mocker workers on this machine"
+    )
+    parser.add_argument("--http-host", default="0.0.0.0", help="frontend listen address")
+    parser.add_argument("--http-port", type=int, default=8000, help="frontend port")
+    parser.add_argument("--workers", type=int, default=2, help="mocker worker processes")
+    parser.add_argument(
+        "--router-mode", default="round-robin", choices=("round-robin", "random", "kv")
+    )
+    parser.add_argument("--model-path", default=DEMO_MODEL_PATH, help="model directory")
+    parser.add_argument("--model-name", default=DEMO_MODEL_NAME, help="served model name")
+    parser.add_argument("--namespace", default="dynamo")
+    parser.add_argument("--in-process", action="store_true", help="run everything in one process")
+    return parser
+
+
+def _curl_example(host: str, port: int, model: str) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return (
+        f"curl -s http://{shown}:{port}/v1/chat/completions -H 'content-type: application/json' "
+        f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+        f'"Hello!"}}], "max_tokens": 16}}\''
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, mocker_args = build_parser().parse_known_args(argv)
+    if args.workers < 1:
+        print("dynamo serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.in_process:
+        from dynamo.serve_inprocess import serve_in_process
+
+        return serve_in_process(args, mocker_args)
+    return _serve_processes(args, mocker_args)
+
+
+def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
+    discovery_dir = tempfile.mkdtemp(prefix="dynamo-serve-")
+    env = dict(os.environ)
+    env.update(
+        {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": discovery_dir,
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_NAMESPACE": args.namespace,
+        }
+    )
+    py = sys.executable
+    children: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for _ in range(args.workers):
+            cmd = [
+                py,
+                "-m",
+                "dynamo.mocker",
+                "--model-path",
+                args.model_path,
+                "--model-name",
+                args.model_name,
+                *mocker_args,
+            ]
+            children.append(subprocess.Popen(cmd, env=env))
+        frontend_cmd = [
+            py,
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            args.http_host,
+            "--http-port",
+            str(args.http_port),
+            "--router-mode",
+            args.router_mode,
+        ]
+        children.append(subprocess.Popen(frontend_cmd, env=env))
+        print(
+            f"dynamo serve: model {args.model_name!r} at http://{args.http_host}:{args.http_port}"
+            f" ({args.workers} mocker workers, router {args.router_mode})",
+            flush=True,
+        )
+        print(
+            f"try:\n  {_curl_example(args.http_host, args.http_port, args.model_name)}", flush=True
+        )
+        while not stopping:
+            for child in children:
+                if child.poll() is not None:
+                    print(
+                        f"dynamo serve: child {child.args[2]} exited with {child.returncode};"
+                        " stopping",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    stopping = True
+                    break
+            time.sleep(0.2)
+    finally:
+        _stop_children(children)
+        import shutil
+
+        shutil.rmtree(discovery_dir, ignore_errors=True)
+    failed = [c for c in children if c.returncode not in (0, -signal.SIGTERM)]
+    return 1 if failed else 0
+
+
+def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
+    # Frontend first (stop taking requests), then workers; each gets SIGTERM and a grace period.
+    for child in reversed(children):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``dynamo serve --in-process``: frontend and mocker workers in one process.
+
+They share an :class:`InProcessHub` (memory discovery, in-process request and event planes), so
+nothing is bound but the HTTP port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from dynamo.backend.run import configure_logging, run_async
+from dynamo.frontend.app import FrontendService
+from dynamo.frontend.config import FrontendConfig
+from dynamo.mocker.__main__ import build_parser as mocker_parser
+from dynamo.mocker.__main__ import build_worker, mocker_config
+from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.runtime import InProcessHub
+
+
+def serve_in_process(args: argparse.Namespace, mocker_args: list[str]) -> int:
+    configure_logging("INFO")
+    margs = mocker_parser().parse_args(
+        ["--model-path", args.model_path, "--model-name", args.model_name, *mocker_args]
+    )
+    config = mocker_config(margs)
+    runtime_config = RuntimeConfig(
+        namespace=args.namespace,
+        discovery_backend="memory",
+        request_plane="local",
+        event_plane="local",
+    )
+    frontend_config = FrontendConfig(
+        http_host=args.http_host,
+        http_port=args.http_port,
+        router_mode=args.router_mode,
+        runtime=runtime_config,
+    )
+    run_async(_serve(frontend_config, config, runtime_config, args.workers))
+    return 0
+
+
+async def _serve(
+    frontend_config: FrontendConfig, config: object, runtime_config: RuntimeConfig, workers: int
+) -> None:
+    from dynamo.mocker.config import MockerConfig
+
+    assert isinstance(config, MockerConfig)
+    hub = InProcessHub()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker_objs = [
+        build_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
+        for _ in range(workers)
+    ]
+    tasks = [asyncio.create_task(w.run(), name=f"worker-{i}") for i, w in enumerate(worker_objs)]
+    frontend = FrontendService(frontend_config, hub=hub)
+    try:
+        await frontend.start()
+        print(
+            f"dynamo serve (in-process): http://{frontend_config.http_host}:{frontend.port}",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await frontend.stop()
+        for w in worker_objs:
+            w.request_shutdown()
+        await asyncio.gather(*tasks, return_exceptions=True)

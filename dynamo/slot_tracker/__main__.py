@@ -1,0 +1,58 @@
+"""``python -m dynamo.slot_tracker``: run the standalone slot tracker until SIGINT/SIGTERM.
+
+Prints one line ``slot tracker listening on http://HOST:PORT`` to stdout once /health answers
+(and ``replica sync bound at ENDPOINT`` before it when replica sync is on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+import zmq
+
+from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
+from dynamo.slot_tracker.service import SlotTrackerService
+
+
+async def serve(config: SlotTrackerConfig) -> None:
+    service = SlotTrackerService(config)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if service.replica is not None:
+            print(f"replica sync bound at {service.replica.bound_endpoint}", flush=True)
+        print(f"slot tracker listening on http://{config.host}:{service.port}", flush=True)
+        await stop.wait()
+    finally:
+        await service.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dynamo.slot_tracker", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        uvloop.run(serve(config))
+    except (OSError, zmq.ZMQError) as exc:  # port in use, endpoint not bindable, ...
+        print(f"slot tracker: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

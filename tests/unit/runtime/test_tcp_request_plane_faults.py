@@ -1,0 +1,247 @@
+"""The TCP request plane when things go wrong: the server stops or resets mid-stream, nothing
+listens, the client closes, and garbage, truncated or oversized frames arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import pytest
+
+from dynamo.runtime import codec
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import (
+    CannotConnect,
+    Disconnected,
+    InvalidArgument,
+    StreamIncomplete,
+)
+from dynamo.runtime.request_plane.tcp import (
+    TCPRequestPlaneClient,
+    TCPRequestPlaneServer,
+    parse_address,
+)
+
+EP = "ns.comp.generate"
+
+
+class Recorder:
+    """Server-side observations: the handler's contexts, how far it got, whether it finished."""
+
+    def __init__(self) -> None:
+        self.contexts: list[Context] = []
+        self.closed = 0
+
+    async def count(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        for i in range(int(body)):
+            yield b"%d" % i
+
+    async def until_stopped(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        """Streams until its context stops, then emits a 'cancelled' terminal (like an engine)."""
+        self.contexts.append(ctx)
+        try:
+            while not ctx.is_stopped():
+                yield b"tok"
+                await asyncio.sleep(0.005)
+            yield b"killed" if ctx.is_killed() else b"cancelled"
+        finally:
+            self.closed += 1
+
+
+@pytest.fixture
+async def rec() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+async def server(rec: Recorder) -> AsyncIterator[TCPRequestPlaneServer]:
+    srv = TCPRequestPlaneServer("127.0.0.1", 0, max_frame_size=64 * 1024)
+    srv.register(EP, rec.count)
+    srv.register("ns.comp.until_stopped", rec.until_stopped)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TCPRequestPlaneClient]:
+    cli = TCPRequestPlaneClient(max_frame_size=64 * 1024)
+    yield cli
+    await cli.close()
+
+
+async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
+    async with asyncio.timeout(5):
+        return [body async for body in it]
+
+
+async def wait_for(predicate: object, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def read_frames(reader: asyncio.StreamReader) -> list[codec.Frame]:
+    """Everything the server sends until it closes the connection."""
+    async with asyncio.timeout(2):
+        data = await reader.read()
+    return codec.FrameDecoder(1 << 20).feed(data)
+
+
+# -- failures -------------------------------------------------------------------------------
+async def test_server_stopped_mid_stream(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, rec: Recorder
+) -> None:
+    it = client.stream(server.address, "ns.comp.until_stopped", b"", Context())
+    async with aclosing(it):
+        assert await anext(it) == b"tok"
+        await server.stop()
+        assert rec.closed == 1 and server.num_inflight() == 0  # handlers were cancelled
+        with pytest.raises(StreamIncomplete, match="before complete_final"):
+            async with asyncio.timeout(2):
+                async for _ in it:
+                    pass
+
+
+async def test_connection_reset_mid_stream(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, rec: Recorder
+) -> None:
+    it = client.stream(server.address, "ns.comp.until_stopped", b"", Context())
+    async with aclosing(it):
+        assert await anext(it) == b"tok"
+        [conn] = server._connections
+        assert conn.transport is not None
+        conn.transport.abort()  # RST, as when the worker process dies with data in flight
+        with pytest.raises(StreamIncomplete):
+            async with asyncio.timeout(2):
+                async for _ in it:
+                    pass
+    # the server killed the orphaned handler's context, and a new connection works
+    await wait_for(lambda: rec.closed == 1)
+    assert rec.contexts[0].is_killed()
+    assert await collect(client.stream(server.address, EP, b"1", Context())) == [b"0"]
+
+
+async def test_cannot_connect(client: TCPRequestPlaneClient) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(CannotConnect):
+        await collect(client.stream(f"tcp://127.0.0.1:{port}", EP, b"1", Context()))
+    with pytest.raises(InvalidArgument):
+        await collect(client.stream("local://abc", EP, b"1", Context()))
+
+
+async def test_client_close_fails_open_streams(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient
+) -> None:
+    it = client.stream(server.address, "ns.comp.until_stopped", b"", Context())
+    async with aclosing(it):
+        assert await anext(it) == b"tok"
+        await client.close()
+        with pytest.raises(Disconnected):
+            async for _ in it:
+                pass
+    with pytest.raises(CannotConnect):
+        await collect(client.stream(server.address, EP, b"1", Context()))
+
+
+async def test_client_rejects_garbage_from_a_server(
+    client: TCPRequestPlaneClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    done = asyncio.Event()
+
+    async def bogus(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(16)
+        writer.write(b"this is not a frame at all")
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+        await writer.wait_closed()
+        done.set()
+
+    fake = await asyncio.start_server(bogus, "127.0.0.1", 0)
+    port = fake.sockets[0].getsockname()[1]
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(StreamIncomplete, match="bad frame"):
+            await collect(client.stream(f"tcp://127.0.0.1:{port}", EP, b"1", Context()))
+        assert "bad frame" in caplog.text
+        async with asyncio.timeout(2):
+            await done.wait()
+    finally:
+        fake.close()
+        await fake.wait_closed()
+
+
+# -- bad frames -----------------------------------------------------------------------------
+async def _long_stream_survives(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, attack: bytes, close: bool
+) -> list[codec.Frame]:
+    ctx = Context()
+    async with aclosing(client.stream(server.address, "ns.comp.until_stopped", b"", ctx)) as it:
+        assert await anext(it) == b"tok"
+        reader, writer = await asyncio.open_connection(*parse_address(server.address))
+        try:
+            writer.write(attack)
+            if close:
+                writer.write_eof()
+            frames = await read_frames(reader)  # the server closes the bad connection
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert await anext(it) == b"tok"  # the other connection is unaffected
+        ctx.stop_generating()
+        assert [b async for b in it][-1] == b"cancelled"
+    assert await collect(client.stream(server.address, EP, b"2", Context())) == [b"0", b"1"]
+    return frames
+
+
+async def test_garbage_closes_only_that_connection(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        frames = await _long_stream_survives(server, client, b"\x00garbage" * 10, close=False)
+    assert "bad frame prefix" in caplog.text
+    # the server explains itself on stream 0 before closing
+    [(kind, sid, _, _, body)] = frames
+    what, err = codec.decode_response(body)
+    assert (kind, sid, what) == (codec.RESPONSE, 0, codec.RESP_ERROR)
+    assert isinstance(err, InvalidArgument)
+
+
+async def test_oversized_frame_closes_only_that_connection(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefix = codec.PREFIX.pack(codec.MAGIC, codec.REQUEST, 0, 1, 10, 10 * 1024 * 1024)
+    with caplog.at_level(logging.ERROR):
+        await _long_stream_survives(server, client, prefix, close=False)
+    assert "exceeds the maximum" in caplog.text
+
+
+async def test_truncated_frame_closes_only_that_connection(
+    server: TCPRequestPlaneServer, client: TCPRequestPlaneClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    head, _ = codec.request_frame(1, codec.RequestHeader(EP, "r", 8), b"12345")
+    with caplog.at_level(logging.ERROR):
+        await _long_stream_survives(server, client, head + b"12", close=True)
+    assert "truncated" in caplog.text
+
+
+async def test_protocol_violations_close_the_connection(
+    server: TCPRequestPlaneServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    head, _ = codec.request_frame(1, codec.RequestHeader("ns.comp.until_stopped", "r", 8), b"")
+    bad_header = codec.PREFIX.pack(codec.MAGIC, codec.REQUEST, 0, 2, 3, 0) + b"\xc1\xc1\xc1"
+    for attack in (head + head, bad_header, codec.final_frame(1)):
+        reader, writer = await asyncio.open_connection(*parse_address(server.address))
+        try:
+            writer.write(attack)
+            await read_frames(reader)  # returns once the server has closed the connection
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    await wait_for(lambda: server.num_inflight() == 0)
