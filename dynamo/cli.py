@@ -1,4 +1,4 @@
-"""``dynamo``: one console script for every service (serve, frontend, mocker, slot-tracker, bench)."""
+"""``dynamo``: one console script for every service (serve, frontend, mocker, bench, ...)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ mocker (``--speedup-ratio``, ``--block-size``, ...). Ctrl-C or SIGTERM stops eve
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -121,7 +120,7 @@ def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
             for child in children:
                 if child.poll() is not None:
                     print(
-                        f"dynamo serve: child {child.args[2]} exited with {child.returncode};"
+                        f"dynamo serve: child {child.args!r} exited with {child.returncode};"
                         " stopping",
                         file=sys.stderr,
                         flush=True,

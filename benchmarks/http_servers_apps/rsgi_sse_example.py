@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import uvloop
@@ -41,7 +42,7 @@ class EmbeddedServer(Server):
             self.bound_port = s.getsockname()[1]
 
 
-async def token_source(stop: asyncio.Event) -> Any:
+async def token_source(stop: asyncio.Event) -> AsyncGenerator[bytes, None]:
     """Stands in for the engine stream; honours `stop` the way a Context would."""
     for i in range(1000):
         if stop.is_set():
@@ -56,20 +57,29 @@ async def app(scope: Any, proto: Any) -> None:
         proto.response_empty(405, [])
         return
     await proto()  # the request body
-    stop = asyncio.Event()
-    # Resolves when the peer closes (also before the response starts); it stays pending after
-    # a normal completion on a keep-alive connection, so it must be cancelled in `finally`.
+    stop = asyncio.Event()  # the frontend: its request Context; stop() aborts the engine
+
+    def on_disconnect(f: asyncio.Future[None]) -> None:
+        if not f.cancelled():
+            print("client disconnected: stopping the request", flush=True)
+            stop.set()
+
+    # Resolves when the peer closes (also before the response starts), even while the handler
+    # awaits something else; it stays pending after a normal completion on a keep-alive
+    # connection, so it must be cancelled in `finally`.
     watch = asyncio.ensure_future(proto.client_disconnect())
-    watch.add_done_callback(lambda f: stop.set())
+    watch.add_done_callback(on_disconnect)
     transport = proto.response_stream(200, [("content-type", "text/event-stream")])
+    tokens = token_source(stop)
     try:
-        async for event in token_source(stop):
+        async for event in tokens:
             await transport.send_bytes(event)  # raises ProtocolClosed once the peer is gone
         await transport.send_bytes(b"data: [DONE]\n\n")
     except ProtocolClosed:
         stop.set()
     finally:
         watch.cancel()
+        await tokens.aclose()
 
 
 async def main() -> None:

@@ -100,7 +100,7 @@ class Worker:
     async def run(self) -> None:
         """Start, serve until shutdown is requested, then shut down in order."""
         loop = asyncio.get_running_loop()
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
         if self.config.install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 try:
@@ -186,6 +186,7 @@ class Worker:
         # 1. Leave discovery: routers stop picking us; requests already sent still arrive.
         for reg in self._regs:
             await self._unregister(reg)
+        log.info("worker left discovery; grace period %.1fs", self.config.graceful_shutdown_timeout)
         # 2. Grace period: let in-flight requests finish.
         await self._wait_inflight(self.config.graceful_shutdown_timeout)
         # 3. Drain and clean up each engine exactly once.
@@ -194,6 +195,7 @@ class Worker:
         # 4. Runtime teardown (cancels anything still in flight).
         if self._owns_runtime:
             await self.runtime.shutdown()
+        log.info("worker stopped")
 
     async def _unregister(self, reg: _Registration) -> None:
         try:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Awaitable
 from typing import Any
 
+from granian._granian import ListenerSpec
 from granian.server.embed import Server
 
 from dynamo.frontend.config import FrontendConfig
@@ -28,6 +30,22 @@ from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
+
+
+class _Server(Server):
+    """granian's embedded server, binding its listener itself so that port 0 works and the
+    bound port can be read (``bound_port``). Relies on a private hook: granian is pinned."""
+
+    bound_port: int = 0
+
+    def _init_shared_socket(self) -> None:
+        holder = ListenerSpec(self.bind_addr, self.bind_port, self.backlog).build()
+        fd = holder.get_fd()
+        self._shd = holder  # type: ignore[assignment]
+        self._sfd = fd  # type: ignore[assignment]
+        self._ssp = None
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            self.bound_port = sock.getsockname()[1]
 
 
 class _RSGIStream:
@@ -105,9 +123,8 @@ class FrontendService:
         self.routes = Routes(
             self.registry, self.metrics, self.generate, overload_status=config.overload_status
         )
-        self._server: Server | None = None
+        self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
-        self._socket: socket.socket | None = None
         self.port = config.http_port
 
     async def _build_pipeline(self, card: ModelCard) -> ModelPipeline:
@@ -159,11 +176,10 @@ class FrontendService:
         if self._owns_runtime:
             await self.runtime.start()
         await self.registry.start()
-        self.port = self._pick_port()
-        self._server = Server(
+        self._server = _Server(
             self,
             address=self.config.http_host,
-            port=self.port,
+            port=self.config.http_port,
             log_enabled=False,
             backlog=1024,
         )
@@ -171,22 +187,18 @@ class FrontendService:
         await self._wait_listening()
         log.info("frontend listening on http://%s:%d", self.config.http_host, self.port)
 
-    def _pick_port(self) -> int:
-        if self.config.http_port:
-            return self.config.http_port
-        # granian takes a port number, not a socket: find a free one (tests bind port 0).
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((self.config.http_host, 0))
-            port: int = probe.getsockname()[1]
-        return port
-
     async def _wait_listening(self, timeout: float = 10.0) -> None:
         host = "127.0.0.1" if self.config.http_host in ("0.0.0.0", "") else self.config.http_host
+        assert self._server is not None
         async with asyncio.timeout(timeout):
             while True:
                 if self._serve_task is not None and self._serve_task.done():
                     self._serve_task.result()
                     raise RuntimeError("HTTP server exited during start-up")
+                self.port = self._server.bound_port
+                if not self.port:
+                    await asyncio.sleep(0.01)
+                    continue
                 try:
                     _, writer = await asyncio.open_connection(host, self.port)
                 except OSError:
@@ -196,18 +208,24 @@ class FrontendService:
                 await writer.wait_closed()
                 return
 
-    async def stop(self) -> None:
-        """Stop taking requests, then close the registry and (if owned) the runtime."""
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking requests, let in-flight ones finish (``grace_s``), cancel the rest, then
+        close the registry and (if owned) the runtime."""
         self.routes.draining = True
+        self.generate.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.generate.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        self.generate.cancel_all()
         if self._server is not None:
-            self._server.stop()
+            self._server.workers_kill_timeout = 3
+            self._server.stop()  # type: ignore[no-untyped-call]
         if self._serve_task is not None:
             try:
-                async with asyncio.timeout(10):
-                    await self._serve_task
-            except (TimeoutError, Exception):
-                log.warning("HTTP server did not stop cleanly", exc_info=True)
-                self._serve_task.cancel()
+                await self._serve_task
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
         await self.registry.close()
         if self._owns_runtime:

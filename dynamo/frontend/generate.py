@@ -29,7 +29,7 @@ from dynamo.preprocess import GenerationParams, Prepared
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
 from dynamo.protocol.request import RoutingHints
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import InvalidArgument, Overloaded
+from dynamo.runtime.errors import InvalidArgument, NoInstances, Overloaded
 
 if TYPE_CHECKING:
     from dynamo.frontend.routes import Exchange
@@ -55,6 +55,13 @@ class GenerateHandler:
         self._body_limit = body_limit
         self._overload_status = overload_status
         self.inflight = 0
+        self.draining = False
+        self._contexts: set[Context] = set()
+
+    def cancel_all(self) -> None:
+        """Stop every request in flight (shutdown after the grace period)."""
+        for ctx in list(self._contexts):
+            ctx.stop_generating()
 
     # -- entry points ----------------------------------------------------------------------
     async def chat(self, http: Exchange) -> None:
@@ -71,6 +78,16 @@ class GenerateHandler:
         id_headers = [("x-request-id", request_id), ("x-dynamo-request-id", request_id)]
         model = "unknown"
         request_type = "unary"
+        if self.draining:
+            self._fail(
+                http,
+                NoInstances("the frontend is shutting down"),
+                model,
+                endpoint,
+                request_type,
+                id_headers,
+            )
+            return
         if self.inflight >= self._max_inflight:
             self._fail(
                 http,
@@ -104,6 +121,7 @@ class GenerateHandler:
             else:
                 fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created)
             ctx = Context(request_id)
+            self._contexts.add(ctx)
             stats = RunStats([ChoiceStats() for _ in prepared])
             self._m.active_requests.labels(model).inc()
             self._m.inflight_requests.labels(model).inc()
@@ -118,6 +136,7 @@ class GenerateHandler:
                         http, entry, req, prepared, ctx, stats, fmt, id_headers
                     )
             finally:
+                self._contexts.discard(ctx)
                 self._m.active_requests.labels(model).dec()
                 self._m.inflight_requests.labels(model).dec()
                 self._record(model, endpoint, request_type, status, error_type, started, stats)
@@ -182,7 +201,8 @@ class GenerateHandler:
                 prompts = normalize_prompt(req.prompt)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from exc
-            base = pre.completion(prompts if len(prompts) > 1 else prompts[0], params)
+            batch: Any = prompts if len(prompts) > 1 else prompts[0]
+            base = pre.completion(batch, params)
         return _expand_n(base, req.n)
 
     # -- streaming ---------------------------------------------------------------------------
@@ -208,7 +228,7 @@ class GenerateHandler:
             return "error", to_http(exc).error_type
         sink = http.start_stream(200, [*SSE_HEADERS, *id_headers])
         disconnect = asyncio.ensure_future(http.disconnected())
-        disconnect.add_done_callback(lambda _f: ctx.kill())
+        disconnect.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
         try:
             for chunk in self._preamble(req, prepared, fmt, request_id=ctx.id):
                 await sink.send(chunk)
@@ -294,7 +314,7 @@ class GenerateHandler:
         want_ids = _wants(req, "token_ids")
         token_ids: list[int] = []
         disconnect = asyncio.ensure_future(http.disconnected())
-        disconnect.add_done_callback(lambda _f: ctx.kill())
+        disconnect.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
         try:
             async for delta in run_choices(entry, prepared, ctx, stats, want_token_ids=want_ids):
                 texts[delta.index].append(delta.text)

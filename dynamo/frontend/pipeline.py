@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -107,7 +107,7 @@ async def stream_choice(
     stats: ChoiceStats,
     *,
     want_token_ids: bool = False,
-) -> AsyncIterator[ChoiceDelta]:
+) -> AsyncGenerator[ChoiceDelta, None]:
     """One choice: route, send, detokenize. Raises DynamoError on failure."""
     pipeline = entry.pipeline
     request = prepared.request
@@ -189,7 +189,7 @@ async def run_choices(
     stats: RunStats,
     *,
     want_token_ids: bool = False,
-) -> AsyncIterator[ChoiceDelta]:
+) -> AsyncGenerator[ChoiceDelta, None]:
     """All choices of one HTTP request, merged in arrival order (choice i = prepared[i])."""
     if len(prepared) == 1:  # the common case: no tasks, no queue
         async for delta in stream_choice(

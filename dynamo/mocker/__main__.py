@@ -20,8 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser("dynamo mocker", description="a simulated vLLM-like engine")
     MockerConfig.add_arguments(parser)
     RuntimeConfig.add_arguments(parser)
-    add_flag(parser, "--graceful-shutdown-timeout", default=5.0, type=float,
-             help="seconds in-flight requests get to finish on shutdown")
+    add_flag(
+        parser,
+        "--graceful-shutdown-timeout",
+        default=5.0,
+        type=float,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
     add_flag(parser, "--log-level", default="INFO", help="logging level")
     return parser
 

@@ -120,7 +120,7 @@ class FrontendMetrics:
 
 
 class RouterMetrics:
-    """KV router metrics (FACTS §10.1: ``dynamo_router_*``, ``dynamo_component_kv_cache_events_applied``)."""
+    """KV router metrics (FACTS §10.1 names: dynamo_router_*, kv_cache_events_applied)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry

@@ -36,4 +36,3 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer_checksum: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-

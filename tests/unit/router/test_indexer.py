@@ -96,7 +96,7 @@ def _queries(model: Model, extra: list[list[int]]) -> list[list[int]]:
     return qs + extra + [[]]
 
 
-@settings(max_examples=6000, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.data(), st.lists(st.lists(hashes, max_size=6), max_size=8), st.sampled_from([0, 1]))
 def test_index_matches_brute_force(data: st.DataObject, extra: list[list[int]], first: int) -> None:
     """Random events drawn against the current state: parents and removals mostly name held

@@ -104,6 +104,9 @@ async def test_server_stopped_mid_stream(
             async with asyncio.timeout(2):
                 async for _ in it:
                     pass
+    with pytest.raises(CannotConnect):  # the listener is closed too
+        await collect(client.stream(server.address, EP, b"1", Context()))
+    await server.stop()  # idempotent
 
 
 async def test_connection_reset_mid_stream(
