@@ -337,7 +337,7 @@ class RadixTree:
                 if removed is not None:
                     removed.extend(dropped)
                 self._blocks -= len(dropped)
-                kids, node.kids = node.kids, None  # unlink first: no merge may pull one back
+                kids = dict(node.kids or {})
                 for c in (kids or {}).values():
                     self._detach(slot, lookup, c, removed)
                 return True

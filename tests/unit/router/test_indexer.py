@@ -89,6 +89,8 @@ class Model:
 KEYS = [(1, 0), (1, 1), (2, 0), (3, 0)]
 hashes = st.integers(0, 3)
 KINDS = ["store", "store", "store", "remove", "restore", "clear", "remove_worker"]
+PICK_FRESH, PICK_OLD = st.integers(0, 4), st.sampled_from([0, 1, 1, 1])
+INDEX, UNKNOWN, SIZES = st.integers(0, 1000), st.integers(0, 3), st.integers(1, 4)
 
 
 def _queries(model: Model, extra: list[list[int]]) -> list[list[int]]:
@@ -110,19 +112,19 @@ def test_index_matches_brute_force(data: st.DataObject, extra: list[list[int]], 
         return index.apply(key[0], KVCacheEvent(event_id=eid, data=data, dp_rank=key[1]))
 
     def some_id(held: list[int], fresh: bool) -> int:
-        choices = [st.integers(0, 3)]  # unknown (or, rarely, held) ids
-        if held:
-            choices.append(st.sampled_from(held))
-        if fresh:
-            choices = [st.builds(lambda: next(fresh_ids))] * 3 + choices
-        return data.draw(st.one_of(choices))
+        pick = data.draw(PICK_FRESH if fresh else PICK_OLD)
+        if pick >= 2:
+            return next(fresh_ids)
+        if pick == 1 and held:
+            return held[data.draw(INDEX) % len(held)]
+        return data.draw(UNKNOWN)  # mostly unknown ids (rarely a held one)
 
     for _ in range(data.draw(st.integers(0, 40))):
         kind, key = data.draw(st.sampled_from(KINDS)), data.draw(st.sampled_from(KEYS))
         held = sorted(model.ext.get(key, {}))
         if kind == "store":
             parent = None if data.draw(st.booleans()) else some_id(held, fresh=False)
-            n = data.draw(st.integers(1, 4))
+            n = data.draw(SIZES)
             blocks = [(some_id(held, fresh=True), data.draw(hashes)) for _ in range(n)]
             ev = BlocksStored(parent_hash=parent, blocks=[StoredBlock(b, h) for b, h in blocks])
             ok = model.store(key, parent, blocks)
