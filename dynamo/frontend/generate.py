@@ -122,7 +122,10 @@ class GenerateHandler:
                 fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created)
             ctx = Context(request_id)
             self._contexts.add(ctx)
-            stats = RunStats([ChoiceStats() for _ in prepared])
+            stats = RunStats(
+                [ChoiceStats() for _ in prepared],
+                prompt_tokens=sum(p.num_prompt_tokens for p in prepared) // req.n,
+            )
             self._m.active_requests.labels(model).inc()
             self._m.inflight_requests.labels(model).inc()
             status, error_type = "success", ""

@@ -67,11 +67,11 @@ class ChoiceStats:
 
 @dataclass(slots=True)
 class RunStats:
-    choices: list[ChoiceStats]
+    """One HTTP request's accounting. ``prompt_tokens`` counts each prompt once (n choices of a
+    prompt share it), as OpenAI's usage does."""
 
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(c.prompt_tokens for c in self.choices)
+    choices: list[ChoiceStats]
+    prompt_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -163,7 +163,7 @@ async def stream_choice(
             yield ChoiceDelta(index, text, _FINISH[reason], ids if out.token_ids else None)
             return
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         pipeline.router.on_finish(request_id)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from enum import StrEnum
 
 from dynamo.runtime.context import Context
@@ -134,7 +134,7 @@ class EndpointClient:
         *,
         instance_id: int | None = None,
         mode: RoutingMode = RoutingMode.ROUND_ROBIN,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Send ``body`` to one instance (``instance_id`` for direct routing)."""
         if instance_id is None:
             instance_id = self.pick(mode)

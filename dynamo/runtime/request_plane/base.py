@@ -18,7 +18,7 @@ client; the handler's ``yield`` blocks instead.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
 from dynamo.runtime.context import Context
@@ -55,8 +55,9 @@ class RequestPlaneServer(Protocol):
 class RequestPlaneClient(Protocol):
     def stream(
         self, address: str, endpoint_path: str, body: bytes, ctx: Context
-    ) -> AsyncIterator[bytes]:
-        """Send one request; iterate its response bodies (see module docstring)."""
+    ) -> AsyncGenerator[bytes, None]:
+        """Send one request; iterate its response bodies (see module docstring). ``aclose()``
+        before the end cancels the request on the server."""
         ...
 
     async def close(self) -> None: ...
