@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -87,11 +87,16 @@ class Worker:
         ]
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
+        self._hooks: list[Callable[[Worker], Awaitable[None]]] = []
         self.ready = asyncio.Event()
 
     @property
     def worker_ids(self) -> list[int]:
         return [r.worker_id for r in self._regs]
+
+    def on_registered(self, hook: Callable[[Worker], Awaitable[None]]) -> None:
+        """Run ``hook(worker)`` after the engines are registered (e.g. serve side endpoints)."""
+        self._hooks.append(hook)
 
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown (safe to call from a signal handler, more than once)."""
@@ -111,6 +116,8 @@ class Worker:
         try:
             if await self._start_or_abandon():
                 await self._register()
+                for hook in self._hooks:
+                    await hook(self)
                 self.ready.set()
                 await self._shutdown.wait()
         finally:

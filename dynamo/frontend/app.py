@@ -23,10 +23,11 @@ from dynamo.frontend.generate import GenerateHandler
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes, StreamSink
-from dynamo.observability.metrics import FrontendMetrics
+from dynamo.observability.metrics import FrontendMetrics, RouterMetrics
 from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
+from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class FrontendService:
         self._owns_runtime = runtime is None
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
+        self.router_metrics = RouterMetrics(self.metrics.registry)
+        self._kv_routers: list[KVRouter] = []
         self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
             self.runtime,
             self._build_pipeline,
@@ -134,16 +137,17 @@ class FrontendService:
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
         )
-        return ModelPipeline(card.served_model_name, preprocessor, self._make_router(card))
+        router = await self._make_router(card)
+        return ModelPipeline(card.served_model_name, preprocessor, router)
 
-    def _make_router(self, card: ModelCard) -> Router:
+    async def _make_router(self, card: ModelCard) -> Router:
         mode = self.config.router_mode
         if mode == "random":
             return RandomRouter()
         if mode == "kv":
-            from dynamo.router.kv_router import KVRouter
-
-            return KVRouter.for_model(self.runtime, card, self.config.kv, self.metrics.registry)
+            router = await KVRouter.create(self.runtime, card, self.config.kv, self.router_metrics)
+            self._kv_routers.append(router)
+            return router
         return RoundRobinRouter()
 
     def _on_model_change(self, entry: ModelEntry[ModelPipeline], added: bool) -> None:
@@ -228,5 +232,7 @@ class FrontendService:
                 log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
         await self.registry.close()
+        for router in self._kv_routers:
+            await router.close()
         if self._owns_runtime:
             await self.runtime.shutdown()

@@ -75,7 +75,13 @@ def build_worker(
     )
     if endpoint.namespace != runtime_config.namespace:
         raise ValueError("--endpoint must be in the runtime's --namespace")
-    return Worker(engines, worker_config, runtime=runtime, owns_runtime=True)
+    worker = Worker(engines, worker_config, runtime=runtime, owns_runtime=True)
+
+    async def serve_recovery(w: Worker) -> None:
+        await publisher.serve_recovery(endpoint, w.worker_ids)
+
+    worker.on_registered(serve_recovery)
+    return worker
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import msgspec
 
+KV_EVENTS_TOPIC = "kv-events"
+"""Event-plane topic of ``KVEventBatch`` messages (msgpack)."""
+RECOVERY_ENDPOINT = "kv_recovery"
+"""Request-plane endpoint (beside a worker's generate endpoint) answering ``KVRecoveryRequest``."""
+
 
 class StoredBlock(msgspec.Struct, array_like=True, gc=False):
     block_hash: int

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+LOAD_TOPIC = "kv_metrics"
+"""Event-plane topic of ``WorkerLoad`` messages (msgpack)."""
+
 
 class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     worker_id: int

@@ -1,0 +1,130 @@
+"""The KV router's settings and flags (reference names, FACTS §4)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from dynamo.router.selector import SelectorConfig
+from dynamo.runtime.config import add_flag
+
+
+@dataclass(frozen=True, slots=True)
+class KVRouterSettings:
+    """The KV router's knobs (reference flag names, FACTS §4)."""
+
+    temperature: float = 0.0
+    overlap_score_credit: float = 1.0
+    overlap_score_weight: float = 1.0
+    use_kv_events: bool = True
+    replica_sync: bool = False
+    ttl_secs: float = 120.0
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    track_active_blocks: bool = True
+    assume_kv_reuse: bool = True
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        d = KVRouterSettings()
+        g = parser.add_argument_group("kv router")
+        add_flag(
+            g,
+            "--router-temperature",
+            default=d.temperature,
+            type=float,
+            help="softmax temperature over worker costs (0 = pick the cheapest)",
+        )
+        add_flag(
+            g,
+            "--router-kv-overlap-score-credit",
+            default=d.overlap_score_credit,
+            type=float,
+            help="credit per cached block against prefill cost",
+        )
+        add_flag(
+            g,
+            "--kv-overlap-score-weight",
+            default=d.overlap_score_weight,
+            type=float,
+            help="weight of the prefill term (prefill_load_scale)",
+        )
+        add_flag(
+            g,
+            "--router-kv-events",
+            default=d.use_kv_events,
+            type=bool,
+            help="index KV events from workers (--no-router-kv-events: approximate mode)",
+        )
+        parser.add_argument(
+            "--no-kv-events",
+            dest="router_kv_events",
+            action="store_false",
+            help="alias of --no-router-kv-events",
+        )
+        add_flag(
+            g,
+            "--router-replica-sync",
+            default=d.replica_sync,
+            type=bool,
+            help="share active-load changes with other routers of the model",
+        )
+        add_flag(
+            g,
+            "--router-ttl-secs",
+            default=d.ttl_secs,
+            type=float,
+            help="approximate mode: how long a routed prefix counts as cached",
+        )
+        add_flag(
+            g,
+            "--active-decode-blocks-threshold",
+            default=None,
+            type=float,
+            help="busy when active decode blocks exceed this fraction of KV capacity",
+        )
+        add_flag(
+            g,
+            "--active-prefill-tokens-threshold",
+            default=None,
+            type=int,
+            help="busy when active prefill tokens exceed this",
+        )
+        add_flag(
+            g,
+            "--router-track-active-blocks",
+            default=d.track_active_blocks,
+            type=bool,
+            help="account active decode blocks per worker",
+        )
+        add_flag(
+            g,
+            "--router-assume-kv-reuse",
+            default=d.assume_kv_reuse,
+            type=bool,
+            help="deduplicate identical prefixes in active-block accounting",
+        )
+
+    def selector_config(self) -> SelectorConfig:
+        return SelectorConfig(
+            overlap_score_credit=self.overlap_score_credit,
+            prefill_load_scale=self.overlap_score_weight,
+            temperature=self.temperature,
+            active_decode_blocks_threshold=self.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=self.active_prefill_tokens_threshold,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KVRouterSettings:
+        return cls(
+            temperature=args.router_temperature,
+            overlap_score_credit=args.router_kv_overlap_score_credit,
+            overlap_score_weight=args.kv_overlap_score_weight,
+            use_kv_events=args.router_kv_events,
+            replica_sync=args.router_replica_sync,
+            ttl_secs=args.router_ttl_secs,
+            active_decode_blocks_threshold=args.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
+            track_active_blocks=args.router_track_active_blocks,
+            assume_kv_reuse=args.router_assume_kv_reuse,
+        )

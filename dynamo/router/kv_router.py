@@ -1,0 +1,338 @@
+"""The KV-cache-aware router of one model.
+
+Per request: block hashes (router/hashing.py) -> prefix overlap per (worker, dp_rank) from the
+index (KV events, or the approximate TTL index of our own decisions) -> load per rank from
+``ActiveSequences`` -> cost and choice (selector.py) -> the request's load is recorded until its
+first token (prefill) and its end (decode blocks).
+
+Background tasks (owned here, cancelled by :meth:`close`): applying KV event batches, recovering a
+worker rank's index after a gap or when a worker is first seen, and replica sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from dynamo.observability.metrics import RouterMetrics
+from dynamo.protocol.kv_events import (
+    KV_EVENTS_TOPIC,
+    RECOVERY_ENDPOINT,
+    KVEventBatch,
+    KVRecoveryResponse,
+)
+from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.request import PreprocessedRequest
+from dynamo.router.approx import ApproxIndex
+from dynamo.router.basic import Selection
+from dynamo.router.config import KVRouterSettings
+from dynamo.router.hashing import local_block_hashes, sequence_hashes
+from dynamo.router.indexer import EventStatus, KVIndexer
+from dynamo.router.replica_sync import ReplicaSync, SyncEvent, SyncOp
+from dynamo.router.selector import Candidate, select_worker
+from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.runtime.client import EndpointClient
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import NoInstances
+from dynamo.runtime.event_plane.base import Subscription
+from dynamo.runtime.naming import EndpointId
+from dynamo.runtime.runtime import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERY_ATTEMPTS = 3
+
+_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_recovery_decoder = msgspec.msgpack.Decoder(KVRecoveryResponse)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class KVRouter:
+    """Implements :class:`dynamo.router.basic.Router`. Single owner: the frontend's loop."""
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        model: str,
+        block_size: int,
+        settings: KVRouterSettings,
+        metrics: RouterMetrics | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self.model = model
+        self.block_size = block_size
+        self.settings = settings
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._cfg = settings.selector_config()
+        self.indexer: KVIndexer | None = KVIndexer() if settings.use_kv_events else None
+        self.approx: ApproxIndex | None = (
+            None if settings.use_kv_events else ApproxIndex(settings.ttl_secs)
+        )
+        self.sequences = ActiveSequences(block_size, assume_kv_reuse=settings.assume_kv_reuse)
+        self._workers: dict[int, ModelCard] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._events_task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
+        self._recovery: EndpointClient | None = None
+        self._sync: ReplicaSync | None = None
+
+    @classmethod
+    async def create(
+        cls,
+        runtime: DistributedRuntime,
+        card: ModelCard,
+        settings: KVRouterSettings,
+        metrics: RouterMetrics | None = None,
+    ) -> KVRouter:
+        router = cls(runtime, card.served_model_name, card.kv_block_size, settings, metrics)
+        await router.start(EndpointId(card.namespace, card.component, card.endpoint))
+        return router
+
+    async def start(self, generate_endpoint: EndpointId) -> None:
+        if self.indexer is not None:
+            recovery = EndpointId(
+                generate_endpoint.namespace, generate_endpoint.component, RECOVERY_ENDPOINT
+            )
+            self._recovery = await self._runtime.client(recovery)
+            self._sub = await self._runtime.events.subscribe(KV_EVENTS_TOPIC)
+            self._events_task = asyncio.create_task(
+                self._follow_events(), name=f"kv-router-events:{self.model}"
+            )
+        if self.settings.replica_sync:
+            self._sync = ReplicaSync(
+                self._runtime.events, self.model, self.block_size, self._apply_sync
+            )
+            await self._sync.start()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        if self._events_task is not None:
+            tasks.append(self._events_task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._events_task = None
+        if self._sub is not None:
+            await self._sub.close()
+            self._sub = None
+        if self._sync is not None:
+            await self._sync.close()
+            self._sync = None
+
+    # -- the Router seam -------------------------------------------------------------------
+    def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
+        started = time.perf_counter()
+        self._sync_workers(candidates)
+        if not candidates:
+            raise NoInstances("no live instance")
+        request_id = request.request_id or ""
+        local = local_block_hashes(request.token_ids, self.block_size, lora_name=request.lora_name)
+        seqs = sequence_hashes(local)
+        index = self.indexer if self.indexer is not None else self.approx
+        assert index is not None
+        overlaps = index.find_matches(local) if local else {}
+        targets = self._targets(request, candidates)
+        options = self._candidates(targets, seqs, overlaps)
+        isl = len(request.token_ids)
+        chosen = select_worker(options, isl, self.block_size, self._cfg, self._rng)
+        try:
+            self.sequences.add_request(
+                request_id,
+                chosen.worker_id,
+                chosen.dp_rank,
+                seqs,
+                new_isl_tokens=isl,
+                overlap_blocks=chosen.overlap_blocks,
+            )
+        except DuplicateRequest:
+            log.warning("request id %s routed twice; load counted once", request_id)
+        if self.approx is not None and local:
+            self.approx.record(chosen.worker_id, chosen.dp_rank, local, seqs)
+        if self._sync is not None:
+            self._sync.publish(
+                SyncOp.ADD,
+                request_id,
+                chosen.worker_id,
+                chosen.dp_rank,
+                seqs,
+                isl,
+                chosen.overlap_blocks,
+            )
+        if self._metrics is not None:
+            self._metrics.decision_seconds.labels(self.model).observe(time.perf_counter() - started)
+            self._metrics.kv_hit_rate.labels(self.model).observe(
+                chosen.cached_tokens / isl if isl else 0.0
+            )
+        return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks)
+
+    def on_first_token(self, request_id: str) -> None:
+        if self.sequences.mark_prefill_completed(request_id) and self._sync is not None:
+            self._sync.publish(SyncOp.PREFILL_COMPLETED, request_id)
+
+    def on_finish(self, request_id: str) -> None:
+        if self.sequences.free(request_id) and self._sync is not None:
+            self._sync.publish(SyncOp.FREE, request_id)
+
+    # -- candidates ------------------------------------------------------------------------
+    def _targets(
+        self, request: PreprocessedRequest, candidates: Sequence[ModelCard]
+    ) -> list[tuple[ModelCard, int]]:
+        """(card, dp_rank) pairs allowed for this request (pinned instance / rank hints)."""
+        hints = request.routing
+        pinned = hints.backend_instance_id if hints is not None else None
+        rank = hints.dp_rank if hints is not None else None
+        out: list[tuple[ModelCard, int]] = []
+        for card in candidates:
+            if pinned is not None and card.instance_id != pinned:
+                continue
+            start = card.data_parallel_start_rank
+            for r in range(start, start + card.data_parallel_size):
+                if rank is None or r == rank:
+                    out.append((card, r))
+        if not out:
+            raise NoInstances("no live worker matches the request's instance / DP-rank hints")
+        return out
+
+    def _candidates(
+        self,
+        targets: list[tuple[ModelCard, int]],
+        seqs: list[int],
+        overlaps: dict[tuple[int, int], int],
+    ) -> list[Candidate]:
+        loads = {(p.worker_id, p.dp_rank): p for p in self.sequences.project_loads(seqs)}
+        track_blocks = self.settings.track_active_blocks
+        out: list[Candidate] = []
+        for card, rank in targets:
+            key = (card.instance_id, rank)
+            load = loads.get(key)
+            out.append(
+                Candidate(
+                    worker_id=card.instance_id,
+                    dp_rank=rank,
+                    overlap_blocks=overlaps.get(key, 0),
+                    active_prefill_tokens=load.active_prefill_tokens if load else 0,
+                    active_decode_blocks=load.active_decode_blocks if load and track_blocks else 0,
+                    new_decode_blocks=(load.new_decode_blocks if load else len(seqs))
+                    if track_blocks
+                    else 0,
+                    active_requests=load.active_requests if load else 0,
+                    total_kv_blocks=card.total_kv_blocks,
+                    max_num_batched_tokens=card.max_num_batched_tokens,
+                )
+            )
+        return out
+
+    def _sync_workers(self, candidates: Sequence[ModelCard]) -> None:
+        """Follow the model's live workers: new ones are tracked (and their index recovered),
+        departed ones are forgotten (index and load)."""
+        live = {card.instance_id: card for card in candidates}
+        for worker_id in [w for w in self._workers if w not in live]:
+            del self._workers[worker_id]
+            self.sequences.remove_worker(worker_id)
+            if self.indexer is not None:
+                self.indexer.remove_worker(worker_id)
+            if self.approx is not None:
+                self.approx.remove_worker(worker_id)
+        for worker_id, card in live.items():
+            if worker_id in self._workers:
+                continue
+            self._workers[worker_id] = card
+            ranks = range(
+                card.data_parallel_start_rank,
+                card.data_parallel_start_rank + card.data_parallel_size,
+            )
+            self.sequences.add_worker(worker_id, ranks)
+            if self.indexer is not None:
+                for rank in ranks:
+                    self._spawn_recovery(worker_id, rank)
+
+    # -- KV events and recovery --------------------------------------------------------------
+    async def _follow_events(self) -> None:
+        assert self._sub is not None and self.indexer is not None
+        indexer = self.indexer
+        async for message in self._sub:
+            try:
+                batch = _batch_decoder.decode(message.payload)
+            except msgspec.DecodeError:
+                continue
+            if batch.worker_id not in self._workers:
+                continue  # another model's worker, or one we have not met yet (recovered then)
+            before = dict(indexer.counters) if self._metrics is not None else None
+            for worker_id, rank in indexer.apply_batch(batch):
+                self._spawn_recovery(worker_id, rank)
+            if before is not None:
+                self._count_events(before)
+
+    def _count_events(self, before: dict[EventStatus, int]) -> None:
+        assert self.indexer is not None and self._metrics is not None
+        for status, count in self.indexer.counters.items():
+            delta = count - before.get(status, 0)
+            if delta:
+                self._metrics.events_applied.labels(status.value, "kv").inc(delta)
+
+    def _spawn_recovery(self, worker_id: int, rank: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._recover(worker_id, rank), name=f"kv-recovery:{worker_id:x}:{rank}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _recover(self, worker_id: int, rank: int) -> None:
+        """Ask the worker's local index for the missed tail (or a dump) and ingest it."""
+        assert self.indexer is not None and self._recovery is not None
+        indexer = self.indexer
+        try:
+            for _ in range(MAX_RECOVERY_ATTEMPTS):
+                if worker_id not in self._workers:
+                    indexer.cancel_recovery(worker_id, rank)
+                    return
+                request = indexer.recovery_request(worker_id, rank)
+                try:
+                    await self._recovery.wait_for_instances(1, timeout=5)
+                    response: KVRecoveryResponse | None = None
+                    stream = self._recovery.stream(
+                        _encoder.encode(request), Context(), instance_id=worker_id
+                    )
+                    async for raw in stream:
+                        response = _recovery_decoder.decode(raw)
+                except Exception as exc:
+                    log.warning("KV recovery from worker %x failed: %s", worker_id, exc)
+                    indexer.cancel_recovery(worker_id, rank)
+                    return
+                if response is None:
+                    indexer.cancel_recovery(worker_id, rank)
+                    return
+                if indexer.apply_recovery(response) is EventStatus.OK:
+                    return
+            indexer.cancel_recovery(worker_id, rank)
+        except asyncio.CancelledError:
+            indexer.cancel_recovery(worker_id, rank)
+            raise
+
+    # -- replica sync --------------------------------------------------------------------------
+    def _apply_sync(self, event: SyncEvent) -> None:
+        if event.op is SyncOp.ADD:
+            try:
+                self.sequences.add_request(
+                    event.request_id,
+                    event.worker_id,
+                    event.dp_rank,
+                    event.sequence_hashes,
+                    new_isl_tokens=event.isl_tokens,
+                    overlap_blocks=event.overlap_blocks,
+                )
+            except (DuplicateRequest, UnknownWorkerRank):
+                pass
+        elif event.op is SyncOp.PREFILL_COMPLETED:
+            self.sequences.mark_prefill_completed(event.request_id)
+        else:
+            self.sequences.free(event.request_id)
