@@ -143,7 +143,7 @@ class _Connection(asyncio.Protocol):
         self._sink = sink
         self._state = _HEAD
         self._keep_alive = True
-        waiter = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._waiter = waiter
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:

@@ -14,7 +14,8 @@ class BenchConfig:
     """One run. Load: ``concurrency`` (closed loop) unless ``rate`` is set (open loop, Poisson
     arrivals per second; sessions per second for multi-turn); a trace sets its own arrivals.
     Length: ``num_requests`` and/or ``duration_s`` (whichever ends first; requests that
-    started in time are waited for); with neither, 100 requests (a whole trace for replay). ``warmup`` requests (synthetic, unmeasured) run first at the same concurrency.
+    started in time are waited for); with neither, 100 requests (a whole trace for replay).
+    ``warmup`` requests (synthetic, unmeasured) run first at the same concurrency.
     ``model=None`` takes the server's first model from ``/v1/models``; ``tokenizer=None`` uses
     the bundled demo model when the model is ``demo``.
     """

@@ -19,6 +19,7 @@ from typing import TextIO
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
 
+
 @dataclass(slots=True)
 class Budget:
     """How many more requests may start: a count limit and/or a deadline (perf_counter)."""
@@ -159,8 +160,7 @@ class LoadRunner:
                     return
 
         workers = [
-            asyncio.create_task(worker(), name=f"bench-worker-{i}")
-            for i in range(self.concurrency)
+            asyncio.create_task(worker(), name=f"bench-worker-{i}") for i in range(self.concurrency)
         ]
         await _gather_owned(workers)
 

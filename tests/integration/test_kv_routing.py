@@ -1,0 +1,165 @@
+"""KV-aware routing through the whole stack in one process (issue 5)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dynamo.frontend.pipeline import ModelPipeline
+from dynamo.preprocess import GenerationParams
+from dynamo.protocol.request import PreprocessedRequest, StopConditions
+from dynamo.router.config import KVRouterSettings
+from dynamo.router.hashing import local_block_hashes
+from dynamo.router.kv_router import KVRouter
+from tests.integration.conftest import Stack
+
+pytestmark = pytest.mark.integration
+
+MOCKER = ("--speedup-ratio", "0", "--block-size", "16", "--num-gpu-blocks-override", "512")
+
+
+def prompt(group: int, unique: int) -> str:
+    words = " ".join(f"topic{group} sentence {i} about group {group}." for i in range(60))
+    return f"{words} Question {unique}: what next?"
+
+
+async def chat(stack: Stack, text: str) -> dict:
+    assert stack.client is not None
+    r = await stack.client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4,
+            "nvext": {"extra_fields": ["worker_id"]},
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_shared_prefixes_go_to_the_worker_that_holds_them(stack: Stack) -> None:
+    for _ in range(4):
+        await stack.add_worker(*MOCKER)
+    await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model(instances=4)
+    owner: dict[int, int] = {}
+    for group in range(4):
+        first = await chat(stack, prompt(group, 0))
+        owner[group] = first["nvext"]["worker_id"]["decode_worker_id"]
+        await asyncio.sleep(0.05)  # the KV events of the first request reach the router
+    for group in range(4):
+        for unique in range(1, 4):
+            body = await chat(stack, prompt(group, unique))
+            assert body["nvext"]["worker_id"]["decode_worker_id"] == owner[group]
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt_tokens = body["usage"]["prompt_tokens"]
+            assert cached >= (prompt_tokens // 16 - 2) * 16, (cached, prompt_tokens)
+
+
+async def test_router_started_late_recovers_its_view_from_workers(stack: Stack) -> None:
+    for _ in range(2):
+        await stack.add_worker(*MOCKER)
+    await stack.start_frontend(router_mode="round-robin")
+    await stack.wait_for_model(instances=2)
+    for unique in range(4):
+        await chat(stack, prompt(7, unique))  # round-robin: both workers cache group 7
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    cards = [entry.cards[i] for i in entry.live_instance_ids()]
+    # A brand-new KV router on the same runtime: it must learn both workers' blocks.
+    router = await KVRouter.create(stack.frontend.runtime, cards[0], KVRouterSettings())
+    try:
+        pipeline: ModelPipeline = entry.pipeline
+        prepared = pipeline.preprocessor.chat(
+            [{"role": "user", "content": prompt(7, 99)}],
+            GenerationParams(max_tokens=2),
+        )
+        router.select(prepared.request, cards)  # meets the workers -> recovery dumps
+        router.on_finish(prepared.request.request_id or "")
+        assert router.indexer is not None
+        async with asyncio.timeout(5):
+            while True:
+                local = local_block_hashes(prepared.request.token_ids, 16)
+                matches = router.indexer.find_matches(local)
+                if len(matches) == 2 and min(matches.values()) > 10:
+                    break
+                await asyncio.sleep(0.05)
+        router.indexer.check_invariants()
+    finally:
+        await router.close()
+
+
+async def test_replica_sync_shares_active_load(stack: Stack) -> None:
+    await stack.add_worker(*MOCKER)
+    await stack.start_frontend(router_mode="round-robin")
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    card = entry.cards[entry.live_instance_ids()[0]]
+    settings = KVRouterSettings(replica_sync=True)
+    a = await KVRouter.create(stack.frontend.runtime, card, settings)
+    b = await KVRouter.create(stack.frontend.runtime, card, settings)
+    try:
+        request = PreprocessedRequest(
+            model="demo",
+            token_ids=list(range(64)),
+            request_id="sync-1",
+            stop=StopConditions(max_tokens=4),
+        )
+        b.select(  # b meets the worker (so it can apply a's events), then frees its own
+            PreprocessedRequest(model="demo", token_ids=[1], request_id="b-own"), [card]
+        )
+        b.on_finish("b-own")
+        a.select(request, [card])
+        async with asyncio.timeout(5):
+            while "sync-1" not in b.sequences:
+                await asyncio.sleep(0.01)
+        assert b.sequences.active_prefill_tokens(card.instance_id) == 64
+        assert b.sequences.active_decode_blocks(card.instance_id) == 4
+        a.on_first_token("sync-1")
+        async with asyncio.timeout(5):
+            while b.sequences.active_prefill_tokens(card.instance_id):
+                await asyncio.sleep(0.01)
+        a.on_finish("sync-1")
+        async with asyncio.timeout(5):
+            while "sync-1" in b.sequences:
+                await asyncio.sleep(0.01)
+        # own echoes are ignored: a's state is exactly its own
+        assert "sync-1" not in a.sequences and "b-own" not in a.sequences
+        b.sequences.check_invariants()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_all_workers_busy_is_overload(stack: Stack) -> None:
+    await stack.add_worker(*MOCKER)
+    client = await stack.start_frontend(
+        router_mode="kv",
+        kv=KVRouterSettings(active_prefill_tokens_threshold=0),
+    )
+    await stack.wait_for_model()
+    # With threshold 0 a worker with any prefill in flight is busy.
+    ok = await client.post(
+        "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}
+    )
+    assert ok.status_code == 200, ok.text
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    router = entry.pipeline.router
+    assert isinstance(router, KVRouter)
+    worker_id = entry.live_instance_ids()[0]
+    router.sequences.add_request("held", worker_id, 0, [1, 2], new_isl_tokens=32)
+    r = await client.post(
+        "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}
+    )
+    assert r.status_code == 529, r.text
+    assert r.headers["retry-after"]
+    assert r.json()["error"]["type"] == "overloaded"
+    router.on_finish("held")
+    ok = await client.post(
+        "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}
+    )
+    assert ok.status_code == 200, ok.text
