@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 _encoder = msgspec.json.Encoder()
 _PATH = re.compile(r"at `\$\.([A-Za-z0-9_]+)")
+_MISSING = re.compile(r"missing required field `([A-Za-z0-9_]+)`")
 
 
 class HTTPError(Exception):
@@ -94,7 +95,8 @@ def to_http(exc: BaseException, overload_status: int = 529) -> HTTPErrorReply:
         return _reply(exc.status, exc.message, exc.param)
     if isinstance(exc, msgspec.ValidationError):
         text = str(exc)
-        match = _PATH.search(text)
+        # the top-level field at fault: from the error's path, else the missing field's name
+        match = _PATH.search(text) or _MISSING.search(text)
         return _reply(400, f"Validation: {text}", match.group(1) if match else None)
     if isinstance(exc, msgspec.DecodeError):
         return _reply(400, f"Validation: malformed JSON body: {exc}")

@@ -7,7 +7,7 @@ OpenAI clients send many optional ones. Sampling fields that vLLM and aiperf sen
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -130,12 +130,19 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+class ChatCompletionChunk(
+    msgspec.Struct,
+    omit_defaults=True,
+    kw_only=True,
+    tag_field="object",
+    tag="chat.completion.chunk",
+):
+    """``object`` is the struct's tag, so it is always encoded (omit_defaults would drop it)."""
+
     id: str
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: CompletionUsage | None = None
     nvext: dict[str, Any] | None = None
 
@@ -152,13 +159,14 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatCompletionResponse(msgspec.Struct, omit_defaults=True, kw_only=True):
+class ChatCompletionResponse(
+    msgspec.Struct, omit_defaults=True, kw_only=True, tag_field="object", tag="chat.completion"
+):
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
-    object: Literal["chat.completion"] = "chat.completion"
     nvext: dict[str, Any] | None = None
 
 
@@ -169,14 +177,15 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class CompletionChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Both a streamed chunk and (with ``object="text_completion"``) the unary response."""
+class CompletionChunk(
+    msgspec.Struct, omit_defaults=True, kw_only=True, tag_field="object", tag="text_completion"
+):
+    """Both a streamed chunk and the unary response (OpenAI: ``object="text_completion"``)."""
 
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: str = "text_completion"
     usage: CompletionUsage | None = None
     nvext: dict[str, Any] | None = None
 

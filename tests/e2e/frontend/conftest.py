@@ -9,7 +9,7 @@ import pytest
 from tests.e2e.frontend.frontend_stack import Child, Stack, child_env, free_port, wait_http, wait_instances
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serve_stack() -> Iterator[Stack]:
     """`dynamo serve` (2 mockers at speedup 0) with a 1 MiB body limit, on an ephemeral port."""
     stack = Stack()
