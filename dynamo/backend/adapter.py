@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from dynamo.backend.engine import LLMEngine
 from dynamo.backend.validate import StreamValidator
+from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
@@ -30,9 +32,12 @@ output_encoder = msgspec.msgpack.Encoder()
 class EngineAdapter:
     """Bridges an :class:`LLMEngine` to a request-plane handler. Owns the abort tasks."""
 
-    def __init__(self, engine: LLMEngine, *, strict: bool = False) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, strict: bool = False, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.strict = strict
+        self.metrics = metrics
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self.num_inflight = 0
 
@@ -53,17 +58,25 @@ class EngineAdapter:
         remove_monitor = ctx.on_stop(self._schedule_abort)
         validator = StreamValidator(request.request_id or ctx.id, strict=self.strict)
         self.num_inflight += 1
+        metrics = self.metrics
+        started = time.monotonic()
+        if metrics is not None:
+            metrics.inflight.inc()
         try:
             stream = self.engine.generate(request, ctx)
             try:
                 async for output in stream:
                     if validator.accept(output):
                         yield output
-            except DynamoError:
+            except DynamoError as exc:
                 validator.terminated = True
+                if metrics is not None:
+                    metrics.error(exc.kind)
                 raise
             except Exception as exc:
                 log.exception("engine error in request %s", ctx.id)
+                if metrics is not None:
+                    metrics.error("Unknown")
                 raise Unknown(f"{type(exc).__name__}: {exc}") from exc
             repair = validator.finish()
             if repair is not None:
@@ -71,6 +84,12 @@ class EngineAdapter:
         finally:
             self.num_inflight -= 1
             remove_monitor()
+            if metrics is not None:
+                metrics.inflight.dec()
+                metrics.requests.inc()
+                metrics.duration.observe(time.monotonic() - started)
+                if ctx.is_stopped():
+                    metrics.cancellations.inc()
 
     def _schedule_abort(self, ctx: Context) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -21,10 +21,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.engine import EngineConfig, LLMEngine
+from dynamo.backend.status_server import StatusServer
+from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId, new_instance_id
@@ -46,6 +49,8 @@ class WorkerConfig:
     graceful_shutdown_timeout: float = 5.0
     strict_validation: bool = False
     install_signal_handlers: bool = True
+    system_host: str = "0.0.0.0"
+    system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
 
     def endpoint_id(self) -> EndpointId:
         component = self.component or self.disaggregation_mode.component
@@ -81,10 +86,20 @@ class Worker:
         self.config = config
         self._owns_runtime = runtime is None if owns_runtime is None else owns_runtime
         self.runtime = runtime or DistributedRuntime(config.runtime)
+        endpoint = config.endpoint_id()
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
+        self.metrics = WorkerMetrics(
+            endpoint.namespace, endpoint.component, endpoint.endpoint, self.metrics_registry
+        )
         self._regs = [
-            _Registration(e, EngineAdapter(e, strict=config.strict_validation), new_instance_id())
+            _Registration(
+                e,
+                EngineAdapter(e, strict=config.strict_validation, metrics=self.metrics),
+                new_instance_id(),
+            )
             for e in engines
         ]
+        self.status: StatusServer | None = None
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
         self._hooks: list[Callable[[Worker], Awaitable[None]]] = []
@@ -114,6 +129,7 @@ class Worker:
                 except (NotImplementedError, RuntimeError):  # not the main thread
                     pass
         try:
+            await self._start_status_server()
             if await self._start_or_abandon():
                 await self._register()
                 for hook in self._hooks:
@@ -124,6 +140,23 @@ class Worker:
             await self._teardown()
             for sig in installed:
                 loop.remove_signal_handler(sig)
+
+    async def _start_status_server(self) -> None:
+        if self.config.system_port is None:
+            return
+        self.status = StatusServer(
+            self._health,
+            self.metrics_registry,
+            self.metrics,
+            self.config.system_host,
+            self.config.system_port,
+        )
+        await self.status.start()
+        log.info("status server listening on %s:%d", self.config.system_host, self.status.port)
+
+    def _health(self) -> dict[str, bool]:
+        serving = self.ready.is_set() and not self._shutdown.is_set()
+        return {self.config.endpoint: serving}
 
     async def _start_or_abandon(self) -> bool:
         """Start runtime and engines; False if shutdown was requested first."""
@@ -202,6 +235,8 @@ class Worker:
         # 4. Runtime teardown (cancels anything still in flight).
         if self._owns_runtime:
             await self.runtime.shutdown()
+        if self.status is not None:
+            await self.status.stop()
         log.info("worker stopped")
 
     async def _unregister(self, reg: _Registration) -> None:

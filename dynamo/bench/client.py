@@ -89,13 +89,14 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
+        self._buf = b""
         self._state = _IDLE
         self._remaining = 0
         self._waiter: asyncio.Future[Response] | None = None
         self._response: Response | None = None
         self._sink: EventSink | None = None
-        self._sse = bytearray()
+        self._sse = b""
+        self._streamed = False
         self._body = bytearray()
         self._keep_alive = True
         self._got_bytes = False
@@ -112,10 +113,12 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
         self._got_bytes = True
-        self._buf += data
+        if self._buf:
+            data = self._buf + data
         try:
-            self._parse(now)
+            self._buf = self._parse(data, now)
         except ValueError as exc:
+            self._buf = b""
             self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
             self.abort()
 
@@ -161,33 +164,30 @@ class _Connection(asyncio.Protocol):
         return not self.closed and self._keep_alive and self._state == _IDLE
 
     # -- parsing ---------------------------------------------------------------------------
-    def _parse(self, now: float) -> None:
-        buf = self._buf
-        while buf:
+    def _parse(self, data: bytes, now: float) -> bytes:
+        """Consume ``data``; returns the bytes that wait for more (an incomplete line)."""
+        pos = 0
+        size = len(data)
+        while pos < size:
             state = self._state
-            if state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
+            if state == _CHUNK_SIZE:
+                end = data.find(b"\r\n", pos)
                 if end < 0:
-                    if len(buf) > _MAX_HEAD:
-                        raise ValueError("response head too large")
-                    return
-                self._start_response(bytes(buf[:end]))
-                del buf[: end + 4]
-            elif state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                size = int(bytes(buf[:end]).split(b";", 1)[0].strip() or b"x", 16)
-                del buf[: end + 2]
-                if size == 0:
+                    break
+                length = int(data[pos:end].split(b";", 1)[0], 16)
+                pos = end + 2
+                if length == 0:
                     self._state = _TRAILER
+                elif pos + length + 2 <= size:  # the common case: the whole chunk is here
+                    self._body_bytes(data[pos : pos + length], now)
+                    pos += length + 2
                 else:
-                    self._remaining = size
+                    self._remaining = length
                     self._state = _CHUNK_DATA
             elif state == _CHUNK_DATA or state == _LENGTH:
-                take = min(self._remaining, len(buf))
-                self._body_bytes(bytes(buf[:take]), now)
-                del buf[:take]
+                take = min(self._remaining, size - pos)
+                self._body_bytes(data[pos : pos + take], now)
+                pos += take
                 self._remaining -= take
                 if self._remaining == 0:
                     if state == _LENGTH:
@@ -195,22 +195,32 @@ class _Connection(asyncio.Protocol):
                     else:
                         self._state = _CHUNK_CRLF
             elif state == _CHUNK_CRLF:
-                if len(buf) < 2:
-                    return
-                del buf[:2]
+                if size - pos < 2:
+                    break
+                pos += 2
                 self._state = _CHUNK_SIZE
-            elif state == _TRAILER:
-                end = buf.find(b"\r\n")
+            elif state == _HEAD:
+                end = data.find(b"\r\n\r\n", pos)
                 if end < 0:
-                    return
-                del buf[: end + 2]
-                if end == 0:
+                    if size - pos > _MAX_HEAD:
+                        raise ValueError("response head too large")
+                    break
+                self._start_response(data[pos:end])
+                pos = end + 4
+            elif state == _TRAILER:  # trailer lines up to an empty line
+                end = data.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                empty = end == pos
+                pos = end + 2
+                if empty:
                     self._finish()
             elif state == _EOF:
-                self._body_bytes(bytes(buf), now)
-                buf.clear()
+                self._body_bytes(data[pos:], now)
+                pos = size
             else:  # bytes while idle: the server is not speaking HTTP/1.1 request/response
                 raise ValueError("unexpected bytes between responses")
+        return data[pos:] if pos < size else b""
 
     def _start_response(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -232,7 +242,8 @@ class _Connection(asyncio.Protocol):
             and status == 200
             and response.content_type == "text/event-stream"
         )
-        self._sse.clear()
+        self._streamed = response.streamed
+        self._sse = b""
         self._body.clear()
         if status in (204, 304) or 100 <= status < 200:
             self._finish()
@@ -248,35 +259,38 @@ class _Connection(asyncio.Protocol):
             self._state = _EOF
 
     def _body_bytes(self, data: bytes, now: float) -> None:
-        response = self._response
-        if response is None or not response.streamed:
+        if not self._streamed:
             self._body += data
             return
-        sse = self._sse
-        sse += data
-        if b"\r" in sse:
-            sse[:] = sse.replace(b"\r\n", b"\n")
-        start = 0
         sink = self._sink
         assert sink is not None
+        sse = self._sse
+        if not sse and data.startswith(b"data: ") and data.find(b"\n") == len(data) - 2:
+            if data.endswith(b"\n\n"):  # the common case: one whole one-line event
+                sink.on_event(None, data[6:-2], now)
+                return
+        sse += data
+        if b"\r" in sse:
+            sse = sse.replace(b"\r\n", b"\n")
+        start = 0
         while True:
             end = sse.find(b"\n\n", start)
             if end < 0:
                 break
-            block = bytes(sse[start:end])
+            block = sse[start:end]
             start = end + 2
             if block.startswith(b"data: ") and b"\n" not in block:
-                sink.on_event(None, block[6:], now)  # the common case: one data line
-                continue
-            _dispatch(block, sink, now)
-        if start:
-            del sse[:start]
+                sink.on_event(None, block[6:], now)
+            else:
+                _dispatch(block, sink, now)
+        self._sse = sse[start:] if start else sse
 
     def _finish(self) -> None:
         response = self._response
         self._state = _IDLE
         self._response = None
         self._sink = None
+        self._streamed = False
         if response is not None:
             response.body = bytes(self._body)
             self._body.clear()

@@ -27,6 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds in-flight requests get to finish on shutdown",
     )
+    add_flag(
+        parser,
+        "--system-port",
+        default=None,
+        type=int,
+        env="DYN_SYSTEM_PORT",
+        help="serve /health, /live and /metrics on this port (0: any free port)",
+    )
+    add_flag(
+        parser,
+        "--system-host",
+        default="0.0.0.0",
+        env="DYN_SYSTEM_HOST",
+        help="address of the status server",
+    )
     add_flag(parser, "--log-level", default="INFO", help="logging level")
     return parser
 
@@ -54,6 +69,8 @@ def build_worker(
     graceful_shutdown_timeout: float = 5.0,
     hub: InProcessHub | None = None,
     install_signal_handlers: bool = True,
+    system_host: str = "0.0.0.0",
+    system_port: int | None = None,
 ) -> Worker:
     """A Worker serving ``config.num_workers`` mocker engines under one runtime."""
     runtime = DistributedRuntime(runtime_config, hub)
@@ -72,6 +89,8 @@ def build_worker(
         disaggregation_mode=DisaggregationMode(config.disaggregation_mode),
         graceful_shutdown_timeout=graceful_shutdown_timeout,
         install_signal_handlers=install_signal_handlers,
+        system_host=system_host,
+        system_port=system_port,
     )
     if endpoint.namespace != runtime_config.namespace:
         raise ValueError("--endpoint must be in the runtime's --namespace")
@@ -91,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         config = mocker_config(args)
         runtime_config = RuntimeConfig.from_args(args)
         worker = build_worker(
-            config, runtime_config, graceful_shutdown_timeout=args.graceful_shutdown_timeout
+            config,
+            runtime_config,
+            graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+            system_host=args.system_host,
+            system_port=args.system_port,
         )
     except (ValueError, OSError) as exc:
         print(f"dynamo mocker: {exc}", file=sys.stderr)

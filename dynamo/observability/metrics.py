@@ -149,3 +149,38 @@ class RouterMetrics:
             "Replica-sync events dropped (queue full)",
             registry=r,
         )
+
+
+class WorkerMetrics:
+    """A worker's ``dynamo_component_*`` families (FACTS §10.1), labels pre-bound per endpoint."""
+
+    def __init__(
+        self, namespace: str, component: str, endpoint: str, registry: CollectorRegistry
+    ) -> None:
+        r = registry
+        names = ["dynamo_namespace", "dynamo_component", "dynamo_endpoint"]
+        values = (namespace, component, endpoint)
+        self.requests = Counter(
+            "dynamo_component_requests", "Requests served", names, registry=r
+        ).labels(*values)
+        self.inflight = Gauge(
+            "dynamo_component_inflight_requests", "Requests in flight", names, registry=r
+        ).labels(*values)
+        self.duration = Histogram(
+            "dynamo_component_request_duration_seconds",
+            "Request duration",
+            names,
+            registry=r,
+            buckets=env_buckets("REQUEST_DURATION", 1, 512, 10),
+        ).labels(*values)
+        self._errors = Counter(
+            "dynamo_component_errors", "Requests that failed", [*names, "error_type"], registry=r
+        )
+        self._values = values
+        self.cancellations = Counter(
+            "dynamo_component_cancellation", "Requests cancelled", names, registry=r
+        ).labels(*values)
+        self.uptime = Gauge("dynamo_component_uptime_seconds", "Seconds since start", registry=r)
+
+    def error(self, error_type: str) -> None:
+        self._errors.labels(*self._values, error_type).inc()

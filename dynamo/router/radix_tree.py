@@ -259,7 +259,7 @@ class RadixTree:
             if off + 1 < len(hs):  # inside a run the slot holds
                 run = _common(hs, off + 1, hl, i)
                 if run == 0:
-                    self._split(node, off + 1)  # diverges here
+                    off = len(hs) - 1
                     continue
                 self._replace_ids(slot, lookup, node, off + 1, bl[i : i + run])
                 off += run
@@ -337,7 +337,7 @@ class RadixTree:
                 if removed is not None:
                     removed.extend(dropped)
                 self._blocks -= len(dropped)
-                kids = dict(node.kids or {})
+                kids, node.kids = node.kids, None  # unlink first: no merge may pull one back
                 for c in (kids or {}).values():
                     self._detach(slot, lookup, c, removed)
                 return True

@@ -7,11 +7,11 @@ import contextlib
 import logging
 
 from dynamo.router.sequences import EXPIRY_CHECK_INTERVAL_S
+from dynamo.runtime.http_server import HttpServer
 from dynamo.slot_tracker.app import SlotTrackerApp
 from dynamo.slot_tracker.config import SlotTrackerConfig
 from dynamo.slot_tracker.registry import Registry
 from dynamo.slot_tracker.replica import ReplicaSync
-from dynamo.slot_tracker.server import HttpServer
 
 log = logging.getLogger(__name__)
 

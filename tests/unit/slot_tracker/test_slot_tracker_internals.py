@@ -14,7 +14,7 @@ from dynamo.slot_tracker.replica import (
     ReplicaSync,
     validate_endpoint,
 )
-from dynamo.slot_tracker.server import HttpProtocol
+from dynamo.runtime.http_server import HttpProtocol
 
 KEY = ("m", "default")
 

@@ -1,5 +1,8 @@
 """A small HTTP/1.1 server for JSON APIs: asyncio protocol + llhttp (httptools), keep-alive.
 
+Used by the slot tracker and by the workers' status servers (the OpenAI frontend, which
+streams, uses granian).
+
 Handlers are synchronous and run inside the protocol callback: a request costs no task, no
 thread hop and no copy beyond the body. With a trivial handler on the 2-core CI VM this served
 ~3.5x the requests/s of granian's RSGI interface (about 70k vs 20k req/s, wrk, 16 connections).
@@ -40,13 +43,13 @@ class App(Protocol):
     """What the server calls for each complete request.
 
     ``handle(method, path, query, content_type, body)`` returns ``(status, body)``: a JSON body
-    (sent as application/json) or ``b""`` (no content). ``HEAD`` is passed as ``GET``; the
-    server drops the body. Must not raise.
+    (sent as application/json) or ``b""`` (no content), or ``(status, body, content_type)`` for
+    another media type. ``HEAD`` is passed as ``GET``; the server drops the body. Must not raise.
     """
 
     def handle(
         self, method: bytes, path: bytes, query: bytes, content_type: bytes | None, body: bytes
-    ) -> tuple[int, bytes]: ...
+    ) -> tuple[int, bytes] | tuple[int, bytes, bytes]: ...
 
 
 class _Abort(Exception):
@@ -59,9 +62,16 @@ _PREFIX = {
 }
 
 
-def render(status: int, body: bytes, *, close: bool = False, head: bool = False) -> bytes:
+def render(
+    status: int,
+    body: bytes,
+    *,
+    close: bool = False,
+    head: bool = False,
+    content_type: bytes = b"application/json",
+) -> bytes:
     """One HTTP/1.1 response."""
-    if body and not close and not head:
+    if body and not close and not head and content_type == b"application/json":
         prefix = _PREFIX.get(status)
         if prefix is not None:  # the hot path: keep-alive JSON
             return b"%s%d\r\n\r\n%s" % (prefix, len(body), body)
@@ -69,8 +79,9 @@ def render(status: int, body: bytes, *, close: bool = False, head: bool = False)
     conn = b"connection: close\r\n" if close else b""
     if not body:
         return b"HTTP/1.1 %s\r\n%scontent-length: 0\r\n\r\n" % (reason, conn)
-    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s" % (
+    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
         reason,
+        content_type,
         conn,
         len(body),
         b"" if head else body,
@@ -209,11 +220,16 @@ class HttpProtocol(asyncio.Protocol):
         self._content_type = None
         self._body_len = 0
         head = method == b"HEAD"
-        status, payload = self._app.handle(
-            b"GET" if head else method, path, query, content_type, body
-        )
+        result = self._app.handle(b"GET" if head else method, path, query, content_type, body)
         keep_alive = parser.should_keep_alive()
-        transport.write(render(status, payload, close=not keep_alive, head=head))
+        if len(result) == 2:
+            transport.write(render(result[0], result[1], close=not keep_alive, head=head))
+        else:
+            transport.write(
+                render(
+                    result[0], result[1], close=not keep_alive, head=head, content_type=result[2]
+                )
+            )
         if not keep_alive:
             self.close()
             raise _Abort
