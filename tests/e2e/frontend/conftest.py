@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.frontend.frontend_stack import Child, Stack, child_env, free_port, wait_http, wait_instances
+from tests.e2e.frontend.frontend_stack import (
+    Child,
+    Stack,
+    child_env,
+    free_port,
+    wait_http,
+    wait_instances,
+)
 
 
 @pytest.fixture(scope="session")

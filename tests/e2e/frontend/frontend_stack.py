@@ -174,8 +174,6 @@ class Stack:
         shutil.rmtree(self.discovery_dir, ignore_errors=True)
 
 
-
-
 def wait_instances(port: int, n: int, timeout: float = 40.0) -> None:
     """Until /health lists ``n`` live instances."""
     deadline = time.monotonic() + timeout

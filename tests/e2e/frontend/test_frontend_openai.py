@@ -299,7 +299,10 @@ def test_request_id_headers_echoed(serve_stack: Stack) -> None:
         assert headers["x-dynamo-request-id"] == f"my-id-{header}"
         assert b'"id":"chatcmpl-my-id-' in raw
     status, headers, raw = request(
-        serve_stack.port, "POST", "/v1/chat/completions", {**body, "stream": True},
+        serve_stack.port,
+        "POST",
+        "/v1/chat/completions",
+        {**body, "stream": True},
         headers={"x-request-id": "stream-id"},
     )
     assert status == 200 and headers["x-request-id"] == "stream-id"

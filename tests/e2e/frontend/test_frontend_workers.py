@@ -364,8 +364,6 @@ async def test_disconnect_aborts_and_frees_blocks(fe: Stack) -> None:
 
 def _frontend_counts(port: int, model: str) -> tuple[bool, str]:
     """The cancelled request is accounted: an error with error_type cancelled, none in flight."""
-    cancelled = metric(
-        port, "dynamo_frontend_requests_total", model=model, error_type="cancelled"
-    )
+    cancelled = metric(port, "dynamo_frontend_requests_total", model=model, error_type="cancelled")
     active = metric(port, "dynamo_frontend_active_requests", model=model)
     return cancelled == 1.0 and active == 0.0, f"cancelled={cancelled} active={active}"
