@@ -51,7 +51,7 @@ def write_plots(directory: Path, records: Sequence[RequestRecord], origin: float
 
     ends = sorted(r.end - origin for r in ok)
     span = max(ends, default=0.0)
-    bins = max(1, min(100, int(span) + 1))
+    bins = max(10, min(100, int(span) + 1))  # about 1 s per bin; at least 10 for short runs
     width = span / bins if span > 0 else 1.0
     requests = [0] * bins
     tokens = [0] * bins

@@ -178,6 +178,12 @@ class LoadRunner:
                         raise ValueError("an open loop without a trace needs a rate")
                     arrival = poisson_at
                     poisson_at += rng.expovariate(self.rate)
+                deadline = self.budget.deadline
+                if (
+                    deadline is not None
+                    and time.perf_counter() + arrival - (loop.time() - started) >= deadline
+                ):
+                    break  # the next arrival falls after the duration
                 delay = started + arrival - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)

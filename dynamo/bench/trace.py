@@ -44,7 +44,7 @@ def _is_int(value: object) -> bool:
 
 
 def parse_entry(raw: bytes, where: str, line: int) -> TraceEntry:
-    """One JSONL line; raises TraceError naming ``where`` (``file:line``) and the field."""
+    """One JSONL line; raises TraceError naming ``where`` (``FILE line N``) and the field."""
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -78,7 +78,7 @@ def load_trace(path: str | Path) -> list[TraceEntry]:
     entries: list[TraceEntry] = []
     for number, raw in enumerate(data.splitlines(), start=1):
         if raw.strip():
-            entries.append(parse_entry(raw, f"{file}:{number}", number))
+            entries.append(parse_entry(raw, f"{file} line {number}", number))
     if not entries:
         raise TraceError(f"trace {file} has no requests")
     entries.sort(key=lambda entry: entry.timestamp_ms)

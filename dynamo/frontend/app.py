@@ -56,19 +56,31 @@ class _RSGIStream:
         self._transport = transport
 
     async def send(self, data: bytes) -> None:
+        if self._transport is None:
+            raise ConnectionError("the response stream has ended")
         await self._transport.send_bytes(data)
 
 
 class _RSGIExchange:
     """Adapts one granian RSGI request to the handlers' :class:`Exchange`."""
 
-    __slots__ = ("method", "path", "_scope", "_protocol")
+    __slots__ = ("method", "path", "_scope", "_protocol", "_stream")
 
     def __init__(self, scope: Any, protocol: Any) -> None:
         self.method: str = scope.method
         self.path: str = scope.path
         self._scope = scope
         self._protocol = protocol
+        self._stream: _RSGIStream | None = None
+
+    def release(self) -> None:
+        """Drop our references to granian's transport: granian ends a streamed response when its
+        transport is freed, and a traceback cycle (an error after streaming began) would
+        otherwise keep it, and the client's connection, open until the next GC run."""
+        if self._stream is not None:
+            self._stream._transport = None
+            self._stream = None
+        self._protocol = None
 
     def header(self, name: str) -> str | None:
         value = self._scope.headers.get(name)
@@ -76,18 +88,28 @@ class _RSGIExchange:
 
     async def body(self, limit: int) -> bytes:
         declared = self.header("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
-        data: bytes = await self._protocol()
-        if len(data) > limit:
-            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
-        return data
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+            data: bytes = await self._protocol()  # the server enforces the declared length
+            return data
+        # chunked (no length declared): read piece by piece, so that an oversized body is
+        # refused once it passes the limit instead of being buffered whole first
+        parts: list[bytes] = []
+        size = 0
+        async for part in self._protocol:
+            size += len(part)
+            if size > limit:
+                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+            parts.append(part)
+        return b"".join(parts)
 
     def reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         self._protocol.response_bytes(status, headers, body)
 
     def start_stream(self, status: int, headers: list[tuple[str, str]]) -> StreamSink:
-        return _RSGIStream(self._protocol.response_stream(status, headers))
+        self._stream = _RSGIStream(self._protocol.response_stream(status, headers))
+        return self._stream
 
     def disconnected(self) -> Awaitable[None]:
         result: Awaitable[None] = self._protocol.client_disconnect()
@@ -172,7 +194,11 @@ class FrontendService:
     async def __call__(self, scope: Any, protocol: Any) -> None:
         if scope.proto != "http":
             return
-        await self.routes(_RSGIExchange(scope, protocol))
+        http = _RSGIExchange(scope, protocol)
+        try:
+            await self.routes(http)
+        finally:
+            http.release()
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:

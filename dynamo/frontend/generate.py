@@ -72,10 +72,12 @@ class GenerateHandler:
 
     async def _serve(self, http: Exchange, endpoint: str) -> None:
         started = time.monotonic()
-        request_id = (
-            http.header("x-dynamo-request-id") or http.header("x-request-id") or uuid.uuid4().hex
-        )
+        client_id = http.header("x-dynamo-request-id") or http.header("x-request-id")
+        request_id = client_id or uuid.uuid4().hex
         id_headers = [("x-request-id", request_id), ("x-dynamo-request-id", request_id)]
+        # The id the engines, router and request plane see must be unique: a client may reuse
+        # its x-request-id (retries), and a cancel by context id must not hit the other request.
+        engine_id = request_id if client_id is None else f"{client_id}-{uuid.uuid4().hex[:12]}"
         model = "unknown"
         request_type = "unary"
         if self.draining:
@@ -110,7 +112,7 @@ class GenerateHandler:
                 model = req.model
                 request_type = "stream" if req.stream else "unary"
                 entry = self._registry.get(req.model)
-                prepared = self._prepare(entry, req, request_id)
+                prepared = self._prepare(entry, req, engine_id)
             except Exception as exc:
                 self._fail(http, exc, model, endpoint, request_type, id_headers)
                 return
@@ -120,7 +122,7 @@ class GenerateHandler:
                 fmt = ChatFormatter(f"chatcmpl-{request_id}", req.model, created)
             else:
                 fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created)
-            ctx = Context(request_id)
+            ctx = Context(engine_id)
             self._contexts.add(ctx)
             stats = RunStats(
                 [ChoiceStats() for _ in prepared],
@@ -233,7 +235,7 @@ class GenerateHandler:
         disconnect = asyncio.ensure_future(http.disconnected())
         disconnect.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
         try:
-            for chunk in self._preamble(req, prepared, fmt, request_id=ctx.id):
+            for chunk in self._preamble(req, prepared, fmt, request_id=_echoed_id(id_headers)):
                 await sink.send(chunk)
             if first is not None:
                 await self._send_delta(sink, fmt, first, req)
@@ -335,7 +337,7 @@ class GenerateHandler:
             disconnect.cancel()
         nvext: dict[str, object] = {}
         if _wants(req, "request_id"):
-            nvext["request_id"] = ctx.id
+            nvext["request_id"] = _echoed_id(id_headers)
         if _wants(req, "formatted_prompt"):
             nvext["formatted_prompt"] = prepared[0].formatted_prompt
         if want_ids:
@@ -399,6 +401,11 @@ def _first(*values: Any) -> Any:
 def _wants(req: Any, annotation: str) -> bool:
     nv = req.nvext
     return bool(nv is not None and nv.annotations and annotation in nv.annotations)
+
+
+def _echoed_id(id_headers: list[tuple[str, str]]) -> str:
+    """The request id the client sees (its own x-request-id, or the one made up for it)."""
+    return id_headers[0][1]
 
 
 def _endpoint(fmt: Formatter) -> str:

@@ -107,8 +107,13 @@ class KVRouter:
                 self._follow_events(), name=f"kv-router-events:{self.model}"
             )
         if self.settings.replica_sync:
+            on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
             self._sync = ReplicaSync(
-                self._runtime.events, self.model, self.block_size, self._apply_sync
+                self._runtime.events,
+                self.model,
+                self.block_size,
+                self._apply_sync,
+                on_drop=on_drop,
             )
             await self._sync.start()
 

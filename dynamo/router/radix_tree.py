@@ -259,7 +259,7 @@ class RadixTree:
             if off + 1 < len(hs):  # inside a run the slot holds
                 run = _common(hs, off + 1, hl, i)
                 if run == 0:
-                    off = len(hs) - 1
+                    self._split(node, off + 1)  # diverges here
                     continue
                 self._replace_ids(slot, lookup, node, off + 1, bl[i : i + run])
                 off += run
@@ -284,7 +284,7 @@ class RadixTree:
                 return child, len(rest_h) - 1
             run = _common(c.hashes, 0, hl, i)
             if slot in c.held:
-                self._replace_ids(slot, lookup, c, 0, bl[i : i + run])
+                pass
             else:
                 if run < len(c.hashes):
                     self._split(c, run)

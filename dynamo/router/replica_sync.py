@@ -58,6 +58,7 @@ class ReplicaSync:
         apply: Callable[[SyncEvent], None],
         *,
         queue_size: int = 4096,
+        on_drop: Callable[[], None] | None = None,
     ) -> None:
         self.router_id = new_instance_id()
         self._events = events
@@ -67,6 +68,7 @@ class ReplicaSync:
         self._queue: asyncio.Queue[SyncEvent] = asyncio.Queue(queue_size)
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._on_drop = on_drop
         self.dropped = 0
         self.applied = 0
 
@@ -113,6 +115,8 @@ class ReplicaSync:
             self._queue.put_nowait(event)
         except asyncio.QueueFull:
             self.dropped += 1
+            if self._on_drop is not None:
+                self._on_drop()
 
     async def _send_loop(self) -> None:
         while True:

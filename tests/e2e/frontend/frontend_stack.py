@@ -13,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +81,8 @@ class Child:
                 self.popen.kill()
                 self.popen.wait()
         self._reader.join(timeout=5)
+        if self.popen.stdout is not None and not self._reader.is_alive():
+            self.popen.stdout.close()
         return self.popen.returncode
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,37 +157,75 @@ def test_wrong_method_405(serve_stack: Stack, method: str, path: str, allow: str
     assert allow in [m.strip() for m in headers["allow"].split(",")]
 
 
+def _raw_exchange(port: int, head: bytes, parts: Iterator[bytes]) -> tuple[int, bytes]:
+    """Send a request head and body parts on a raw socket, then read the response."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        for part in parts:
+            sock.sendall(part)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        try:
+            return resp.status, resp.read()
+        finally:
+            resp.close()
+
+
+LIMIT = 1024 * 1024  # the fixture's --body-limit-mb 1
+
+
 def test_body_over_limit_413(serve_stack: Stack) -> None:
-    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}
-    status, _, raw = request(serve_stack.port, "POST", CHAT, big)
+    # a declared length over the limit is refused before the body is read
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {2 * LIMIT}\r\n\r\n"
+    ).encode()
+    status, raw = _raw_exchange(serve_stack.port, head, iter(()))
     error_of(status, raw, 413)
 
-    # chunked transfer encoding: no content-length to check up front
-    def chunks() -> Iterator[bytes]:
-        yield b'{"model": "demo", "prompt": "'
-        for _ in range(40):
-            yield b"y" * 65536
-        yield b'"}'
+    # chunked transfer encoding (no length declared): refused once the body passes the limit
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
+
+    def parts() -> Iterator[bytes]:
+        for _ in range(LIMIT // 65536):
+            yield b"10000\r\n" + b"y" * 65536 + b"\r\n"
+        yield b"1\r\ny\r\n"  # one byte over; the terminating chunk is never sent
+
+    status, raw = _raw_exchange(serve_stack.port, head, parts())
+    error_of(status, raw, 413)
+
+    # a chunked body within the limit is read whole and served
+    def small() -> Iterator[bytes]:
+        yield b'{"model": "demo", '
+        yield b'"prompt": "' + b"w " * 500 + b'", '
+        yield b'"max_tokens": 2}'
 
     conn = http.client.HTTPConnection("127.0.0.1", serve_stack.port, timeout=30)
     try:
         conn.request(
             "POST",
             COMPLETIONS,
-            body=chunks(),
+            body=small(),
             headers={"content-type": "application/json"},
             encode_chunked=True,
         )
         resp = conn.getresponse()
-        error_of(resp.status, resp.read(), 413)
+        out = resp.read()
+        assert resp.status == 200, out
+        assert json.loads(out)["usage"]["completion_tokens"] == 2
     finally:
         conn.close()
-    # just under the limit is fine (then refused only for its length in tokens, or served)
+    # just under the limit with a declared length is fine
     status, _, raw = request(
         serve_stack.port,
         "POST",
         COMPLETIONS,
-        {"model": MODEL, "prompt": "z " * 1000, "max_tokens": 2},
+        raw=b'{"model": "demo", "max_tokens": 1, "prompt": "z", "pad": "'
+        + b"p" * (LIMIT - 200)
+        + b'"}',
     )
     assert status == 200, raw
 
