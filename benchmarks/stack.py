@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "stack",
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
         "isl": args.isl,
         "osl": args.osl,
         "api": args.api,

@@ -40,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _shown_host(host: str) -> str:
+    """A wildcard listen address is not one to connect to: show loopback instead."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _curl_example(host: str, port: int, model: str) -> str:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    shown = _shown_host(host)
     return (
         f"curl -s http://{shown}:{port}/v1/chat/completions -H 'content-type: application/json' "
         f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
@@ -109,7 +114,8 @@ def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
         ]
         children.append(subprocess.Popen(frontend_cmd, env=env))
         print(
-            f"dynamo serve: model {args.model_name!r} at http://{args.http_host}:{args.http_port}"
+            f"dynamo serve: model {args.model_name!r} at"
+            f" http://{_shown_host(args.http_host)}:{args.http_port}"
             f" ({args.workers} mocker workers, router {args.router_mode})",
             flush=True,
         )

@@ -1,36 +1,22 @@
-"""A lean HTTP/1.1 client for OpenAI-compatible servers: keep-alive connections, chunked
-transfer decoding and SSE event splitting inside one ``asyncio.Protocol``.
+"""``HttpClient``: a pool of keep-alive HTTP/1.1 connections to one OpenAI-compatible server
+(``connection.Connection`` does the parsing), and ``Endpoint``, the parsed base URL.
 
 Why not httpx: a load generator on the same small machine as the server must cost far less CPU
-than the server per request. httpx spends ~25 µs of Python per SSE chunk (an async iterator, a
-future and a decoder pass per chunk); this protocol parses every chunk that arrives in one
-``data_received`` call inline and hands complete SSE events to a synchronous sink, with one
-future per request. Measured numbers are in the module docstring of ``benchmarks/stack.py``.
+than the server per request. Measured on the 2-core VM against a canned 66-event SSE stream at
+concurrency 16: httpx 0.28 ``AsyncClient.stream`` + ``aiter_lines`` 5.6 ms of client CPU per
+request; this client 0.4-0.6 ms (one future per request, events parsed inline).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
-import time
-from dataclasses import dataclass, field
-from typing import Protocol, cast
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-_HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _LENGTH, _EOF, _IDLE = range(8)
-_MAX_HEAD = 64 * 1024
+from dynamo.bench.connection import Connection, EventSink, Response, StaleConnection
 
-
-class EventSink(Protocol):
-    """Receives the SSE events of one streaming response, in order, synchronously.
-
-    ``event`` is the ``event:`` field (None when absent), ``data`` the joined ``data:`` lines,
-    ``now`` the ``time.perf_counter()`` of the read that completed the event. Events with
-    neither data nor a name (comments, keep-alives) are not delivered.
-    """
-
-    def on_event(self, event: bytes | None, data: bytes, now: float) -> None: ...
+__all__ = ["Endpoint", "EventSink", "HttpClient", "Response", "StaleConnection"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,271 +52,6 @@ class Endpoint:
         return self.prefix + api_path
 
 
-@dataclass(slots=True)
-class Response:
-    """A finished response. ``body`` is empty when the events went to a sink."""
-
-    status: int
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-    streamed: bool = False
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
-class StaleConnection(ConnectionError):
-    """A reused keep-alive connection closed before any response byte: safe to retry."""
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one request at a time."""
-
-    def __init__(self) -> None:
-        self._transport: asyncio.Transport | None = None
-        self._buf = b""
-        self._state = _IDLE
-        self._remaining = 0
-        self._waiter: asyncio.Future[Response] | None = None
-        self._response: Response | None = None
-        self._sink: EventSink | None = None
-        self._sse = b""
-        self._streamed = False
-        self._body = bytearray()
-        self._keep_alive = True
-        self._got_bytes = False
-        self.closed = False
-        self.used = 0
-
-    # -- asyncio.Protocol ------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        self._got_bytes = True
-        if self._buf:
-            data = self._buf + data
-        try:
-            self._buf = self._parse(data, now)
-        except ValueError as exc:
-            self._buf = b""
-            self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
-            self.abort()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost finishes or fails the response
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._state == _EOF and self._response is not None:
-            self._finish()
-            return
-        if self._waiter is not None and not self._waiter.done():
-            if not self._got_bytes and self.used > 1:
-                self._fail(StaleConnection("keep-alive connection closed by the server"))
-            else:
-                reason = f": {exc}" if exc else ""
-                self._fail(ConnectionError(f"server closed the connection mid-response{reason}"))
-
-    # -- requests --------------------------------------------------------------------------
-    async def request(self, head: bytes, body: bytes, sink: EventSink | None) -> Response:
-        if self.closed or self._transport is None or self._state != _IDLE:
-            raise StaleConnection("connection not usable")
-        self.used += 1
-        self._got_bytes = False
-        self._sink = sink
-        self._state = _HEAD
-        self._keep_alive = True
-        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        self._waiter = waiter
-        self._transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self._transport.write(body)
-        return await waiter
-
-    def abort(self) -> None:
-        """Drop the connection now (timeouts, errors); a pending request fails."""
-        self.closed = True
-        if self._transport is not None:
-            self._transport.abort()
-
-    @property
-    def reusable(self) -> bool:
-        return not self.closed and self._keep_alive and self._state == _IDLE
-
-    # -- parsing ---------------------------------------------------------------------------
-    def _parse(self, data: bytes, now: float) -> bytes:
-        """Consume ``data``; returns the bytes that wait for more (an incomplete line)."""
-        pos = 0
-        size = len(data)
-        while pos < size:
-            state = self._state
-            if state == _CHUNK_SIZE:
-                end = data.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                length = int(data[pos:end].split(b";", 1)[0], 16)
-                pos = end + 2
-                if length == 0:
-                    self._state = _TRAILER
-                elif pos + length + 2 <= size:  # the common case: the whole chunk is here
-                    self._body_bytes(data[pos : pos + length], now)
-                    pos += length + 2
-                else:
-                    self._remaining = length
-                    self._state = _CHUNK_DATA
-            elif state == _CHUNK_DATA or state == _LENGTH:
-                take = min(self._remaining, size - pos)
-                self._body_bytes(data[pos : pos + take], now)
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    if state == _LENGTH:
-                        self._finish()
-                    else:
-                        self._state = _CHUNK_CRLF
-            elif state == _CHUNK_CRLF:
-                if size - pos < 2:
-                    break
-                pos += 2
-                self._state = _CHUNK_SIZE
-            elif state == _HEAD:
-                end = data.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    if size - pos > _MAX_HEAD:
-                        raise ValueError("response head too large")
-                    break
-                self._start_response(data[pos:end])
-                pos = end + 4
-            elif state == _TRAILER:  # trailer lines up to an empty line
-                end = data.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                empty = end == pos
-                pos = end + 2
-                if empty:
-                    self._finish()
-            elif state == _EOF:
-                self._body_bytes(data[pos:], now)
-                pos = size
-            else:  # bytes while idle: the server is not speaking HTTP/1.1 request/response
-                raise ValueError("unexpected bytes between responses")
-        return data[pos:] if pos < size else b""
-
-    def _start_response(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/"):
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        status = int(status_line[1])
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        response = Response(status, headers)
-        self._response = response
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = status_line[0] == "HTTP/1.1" and "close" not in connection
-        response.streamed = (
-            self._sink is not None
-            and status == 200
-            and response.content_type == "text/event-stream"
-        )
-        self._streamed = response.streamed
-        self._sse = b""
-        self._body.clear()
-        if status in (204, 304) or 100 <= status < 200:
-            self._finish()
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
-            self._state = _LENGTH
-            if self._remaining == 0:
-                self._finish()
-        else:
-            self._keep_alive = False
-            self._state = _EOF
-
-    def _body_bytes(self, data: bytes, now: float) -> None:
-        if not self._streamed:
-            self._body += data
-            return
-        sink = self._sink
-        assert sink is not None
-        sse = self._sse
-        if not sse and data.startswith(b"data: ") and data.find(b"\n") == len(data) - 2:
-            if data.endswith(b"\n\n"):  # the common case: one whole one-line event
-                sink.on_event(None, data[6:-2], now)
-                return
-        sse += data
-        if b"\r" in sse:
-            sse = sse.replace(b"\r\n", b"\n")
-        start = 0
-        while True:
-            end = sse.find(b"\n\n", start)
-            if end < 0:
-                break
-            block = sse[start:end]
-            start = end + 2
-            if block.startswith(b"data: ") and b"\n" not in block:
-                sink.on_event(None, block[6:], now)
-            else:
-                _dispatch(block, sink, now)
-        self._sse = sse[start:] if start else sse
-
-    def _finish(self) -> None:
-        response = self._response
-        self._state = _IDLE
-        self._response = None
-        self._sink = None
-        self._streamed = False
-        if response is not None:
-            response.body = bytes(self._body)
-            self._body.clear()
-        if not self._keep_alive:
-            self.closed = True
-            if self._transport is not None:
-                self._transport.close()
-        waiter = self._waiter
-        self._waiter = None
-        if waiter is not None and not waiter.done() and response is not None:
-            waiter.set_result(response)
-
-    def _fail(self, exc: Exception) -> None:
-        self._state = _IDLE
-        self._keep_alive = False
-        waiter = self._waiter
-        self._waiter = None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-
-
-def _dispatch(block: bytes, sink: EventSink, now: float) -> None:
-    """The general SSE event: several lines, ``event:``, comments, multi-line data.
-    ``event: X`` with only comment lines (how Dynamo sends annotations) delivers the comments."""
-    event: bytes | None = None
-    data: list[bytes] = []
-    comments: list[bytes] = []
-    for line in block.split(b"\n"):
-        if line.startswith(b"data:"):
-            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-        elif line.startswith(b"event:"):
-            event = line[6:].strip()
-        elif line.startswith(b":"):
-            comments.append(line[1:].strip())
-    if data:
-        sink.on_event(event, b"\n".join(data), now)
-    elif event is not None:  # a named event with comment lines only (Dynamo's annotations)
-        sink.on_event(event, b"\n".join(comments), now)
-
-
 class HttpClient:
     """A pool of keep-alive connections to one endpoint. Not thread-safe; one event loop.
 
@@ -354,8 +75,8 @@ class HttpClient:
         self._ssl: ssl.SSLContext | None = (
             ssl.create_default_context() if endpoint.scheme == "https" else None
         )
-        self._idle: list[_Connection] = []
-        self._all: set[_Connection] = set()
+        self._idle: list[Connection] = []
+        self._all: set[Connection] = set()
 
     async def request(
         self,
@@ -379,7 +100,7 @@ class HttpClient:
             timed_out = False
             if timeout is not None:
 
-                def expire(conn: _Connection = conn) -> None:
+                def expire(conn: Connection = conn) -> None:
                     nonlocal timed_out
                     timed_out = True
                     conn.abort()
@@ -411,7 +132,7 @@ class HttpClient:
             return response
         raise AssertionError("unreachable")
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self) -> Connection:
         while self._idle:
             conn = self._idle.pop()
             if conn.reusable:
@@ -420,7 +141,7 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout):
             _, conn = await loop.create_connection(
-                _Connection,
+                Connection,
                 self.endpoint.host,
                 self.endpoint.port,
                 ssl=self._ssl,
@@ -428,7 +149,7 @@ class HttpClient:
         self._all.add(conn)
         return conn
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: Connection) -> None:
         if not conn.closed:
             conn.abort()
         self._all.discard(conn)

@@ -210,6 +210,7 @@ class MockerEngine(LLMEngine):
             while True:
                 self._drain_inbox(rank)
                 if not sched.has_work:
+                    await self._publish_load(rank)  # an abort may have freed blocks
                     rank.wake.clear()
                     await rank.wake.wait()
                     continue

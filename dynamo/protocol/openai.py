@@ -20,9 +20,12 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 
 
+TopK = Annotated[int, Meta(ge=-1)]  # -1 (or None): no limit
+
+
 class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
     greedy_sampling: bool | None = None
     greed_sampling: bool | None = None
@@ -63,7 +66,7 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     user: str | None = None
     nvext: NvExt | None = None
     # vLLM / aiperf style top-level extensions
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: TopP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: NonNegativeInt | None = None

@@ -284,7 +284,7 @@ class RadixTree:
                 return child, len(rest_h) - 1
             run = _common(c.hashes, 0, hl, i)
             if slot in c.held:
-                pass
+                self._replace_ids(slot, lookup, c, 0, bl[i : i + run])
             else:
                 if run < len(c.hashes):
                     self._split(c, run)
@@ -348,7 +348,7 @@ class RadixTree:
         self, slot: int, lookup: dict[int, _Node], top: _Node, removed: list[int] | None
     ) -> None:
         """The slot lets go of run ``top`` and all of its descendants."""
-        survivors = [top.parent]
+        survivors: list[_Node | None] = [top.parent]
         stack = [top]
         while stack:
             n = stack.pop()
@@ -371,9 +371,9 @@ class RadixTree:
                 n.kids = None
             else:
                 survivors.append(n)
-        for n in survivors:  # holders changed: runs may join their only child again
-            if n is not None:
-                self._maybe_merge(n)
+        for m in survivors:  # holders changed: runs may join their only child again
+            if m is not None:
+                self._maybe_merge(m)
 
     def _maybe_merge(self, n: _Node) -> None:
         """Join a run with its only child when both have the same holders (keeps runs long)."""

@@ -152,6 +152,6 @@ def test_keep_alive_requests_are_not_delayed_by_nagle(serve_stack: Stack) -> Non
             times.sort()
             # on a quiet machine each takes ~3 ms; the margin is for a loaded CI machine
             assert statistics.median(times) < 0.020, (stream, times)
-            assert times[44] < 0.030, (stream, times)  # 90% under 30 ms
+            assert times[39] < 0.030, (stream, times)  # 80% under 30 ms
     finally:
         conn.close()

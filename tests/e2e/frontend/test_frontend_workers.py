@@ -99,12 +99,15 @@ class SSEClient:
         self.headers: dict[str, str] = {}
 
     @classmethod
-    async def open(cls, port: int, body: dict[str, Any]) -> SSEClient:
+    async def open(
+        cls, port: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> SSEClient:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         raw = json.dumps(body).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(raw)}\r\n\r\n".encode()
+            + f"{extra}content-length: {len(raw)}\r\n\r\n".encode()
             + raw
         )
         await writer.drain()
@@ -384,6 +387,33 @@ async def test_disconnect_aborts_and_frees_blocks(fe: Stack) -> None:
         assert ok, counts
     finally:
         await watcher.close()
+        await asyncio.to_thread(mocker.stop)
+
+
+async def test_disconnect_cancels_only_its_own_request_despite_a_shared_request_id(
+    fe: Stack,
+) -> None:
+    """Two clients send the same x-request-id; one leaves: the other's stream is unaffected."""
+    model = "m-dup"
+    mocker = await asyncio.to_thread(start_mocker, fe, model, *SLOW)
+    headers = {"x-request-id": "dup-id"}
+    try:
+        leaver = await SSEClient.open(fe.port, chat(model, max_tokens=40, stream=True), headers)
+        stayer = await SSEClient.open(fe.port, chat(model, max_tokens=40, stream=True), headers)
+        assert leaver.headers["x-request-id"] == stayer.headers["x-request-id"] == "dup-id"
+        seen = 0
+        async for _, data in leaver.events():
+            seen += '"content"' in data
+            if seen >= 3:
+                break
+        await leaver.close()
+        events = [ev async for ev in stayer.events()]
+        await stayer.close()
+        assert events[-1] == (None, "[DONE]")
+        assert not any(name == "error" for name, _ in events), events[-3:]
+        assert '"finish_reason":"length"' in events[-2][1]
+        assert all('"id":"chatcmpl-dup-id"' in d for _, d in events[:-1])
+    finally:
         await asyncio.to_thread(mocker.stop)
 
 

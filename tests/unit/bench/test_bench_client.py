@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from dynamo.bench.client import Endpoint, HttpClient, _Connection
+from dynamo.bench.client import Endpoint, HttpClient
+from dynamo.bench.connection import Connection
 from dynamo.bench.request import RequestSpec, Sender
 
 EVENTS: list[tuple[bytes | None, bytes]] = [
@@ -50,7 +51,7 @@ def chunked(body: bytes, sizes: list[int]) -> bytes:
 
 
 class FakeTransport:
-    def __init__(self, protocol: _Connection) -> None:
+    def __init__(self, protocol: Connection) -> None:
         self.protocol = protocol
         self.written = b""
         self.closed = False
@@ -78,8 +79,8 @@ class Sink:
         self.events.append((event, data))
 
 
-async def feed(raw: bytes, cuts: list[int], sink: Sink | None) -> tuple[Any, _Connection]:
-    conn = _Connection()
+async def feed(raw: bytes, cuts: list[int], sink: Sink | None) -> tuple[Any, Connection]:
+    conn = Connection()
     transport = FakeTransport(conn)
     conn.connection_made(transport)  # type: ignore[arg-type]
     pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n", b"", sink))
@@ -119,7 +120,7 @@ async def test_content_length_and_close_delimited_bodies() -> None:
     raw = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
     response, conn = await feed(raw, [], None)
     assert response.body == b"ok" and not conn.reusable
-    conn2 = _Connection()
+    conn2 = Connection()
     transport = FakeTransport(conn2)
     conn2.connection_made(transport)  # type: ignore[arg-type]
     pending = asyncio.ensure_future(conn2.request(b"GET / HTTP/1.1\r\n\r\n", b"", None))
@@ -132,7 +133,7 @@ async def test_content_length_and_close_delimited_bodies() -> None:
 
 
 async def test_a_connection_lost_mid_response_fails_the_request() -> None:
-    conn = _Connection()
+    conn = Connection()
     conn.connection_made(FakeTransport(conn))  # type: ignore[arg-type]
     pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n", b"", Sink()))
     await asyncio.sleep(0)
@@ -156,9 +157,12 @@ class Server:
     """A loopback server that answers each request with a canned OpenAI SSE stream; it can
     close connections after one response or stay silent."""
 
-    def __init__(self, close_after_response: bool = False, silent: bool = False) -> None:
+    def __init__(
+        self, close_after_response: bool = False, silent: bool = False, answers: int = 10**9
+    ) -> None:
         self.close_after_response = close_after_response
         self.silent = silent
+        self.answers = answers
         self.connections = 0
         self.requests: list[bytes] = []
         self._server: asyncio.Server | None = None
@@ -193,7 +197,7 @@ class Server:
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
                 self.requests.append(head + await reader.readexactly(length))
-                if self.silent:
+                if self.silent or len(self.requests) > self.answers:
                     continue
                 events = [
                     b'{"choices":[{"delta":{"role":"assistant","content":""}}]}',
@@ -262,3 +266,13 @@ async def test_timeouts_and_refused_connections_become_error_records() -> None:
     record = await Sender(client, api="completions", model="m").send(SPEC)
     await client.aclose()
     assert record.error == "connect"
+
+
+async def test_a_timeout_on_a_reused_connection_is_not_retried() -> None:
+    async with Server(answers=1) as server:
+        client = HttpClient(Endpoint.parse(f"http://127.0.0.1:{server.port}"))
+        sender = Sender(client, api="completions", model="m", timeout=0.3)
+        first, second = await sender.send(SPEC), await sender.send(SPEC)
+        await client.aclose()
+    assert first.ok and second.error == "timeout"
+    assert 0.3 <= second.e2e < 0.55 and len(server.requests) == 2

@@ -149,8 +149,10 @@ def test_busy_thresholds_exclude_and_all_busy_is_overloaded() -> None:
         active_prefill_tokens_threshold=10_000, active_prefill_tokens_threshold_frac=0.5
     )
     assert is_busy(frac, both)  # OR'ed
+    hotter = Candidate(worker_id=8, active_prefill_tokens=10_001)  # above the absolute one
     with pytest.raises(Overloaded):
-        select_worker([hot, frac], 16, B, both, rng)
+        select_worker([hotter, frac], 16, B, both, rng)
+    assert select_worker([hot, frac], 16, B, both, rng).worker_id == 4
 
 
 def test_no_candidates_and_bad_config() -> None:

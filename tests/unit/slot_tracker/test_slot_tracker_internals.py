@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from dynamo.runtime.http_server import HttpProtocol
 from dynamo.slot_tracker.app import SlotTrackerApp
 from dynamo.slot_tracker.registry import Op, Registry, TrackerError
 from dynamo.slot_tracker.replica import (
@@ -14,7 +15,6 @@ from dynamo.slot_tracker.replica import (
     ReplicaSync,
     validate_endpoint,
 )
-from dynamo.runtime.http_server import HttpProtocol
 
 KEY = ("m", "default")
 
