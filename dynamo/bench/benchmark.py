@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -243,7 +244,19 @@ async def _run(config: BenchConfig, client: HttpClient, meter: CpuMeter) -> Benc
     )
     if config.output_dir:
         try:
-            write_report(config.output_dir, summary, records, origin, plots=config.plots)
-        except (OSError, ValueError) as exc:
+            write_report(config.output_dir, summary, records, origin, plots=False)
+        except OSError as exc:
             raise BenchError(f"cannot write the report to {config.output_dir}: {exc}") from None
+        if config.plots:
+            _plots(Path(config.output_dir) / "plots", records, origin)
     return BenchResult(summary=summary, records=records, origin=origin)
+
+
+def _plots(directory: Path, records: list[RequestRecord], origin: float) -> None:
+    """Plots are a convenience: without matplotlib the run still succeeds, with a warning."""
+    try:
+        from dynamo.bench.plots import write_plots
+
+        write_plots(directory, sorted(records, key=lambda r: r.start), origin)
+    except (OSError, ValueError) as exc:
+        print(f"dynamo bench: warning: no plots: {exc}", file=sys.stderr)

@@ -168,6 +168,7 @@ class LoadRunner:
         loop = asyncio.get_running_loop()
         rng = random.Random(self.seed ^ 0xA77)
         started = loop.time()
+        started_perf = time.perf_counter()  # the budget's clock
         poisson_at = 0.0
         tasks: set[asyncio.Task[bool]] = set()
         try:
@@ -179,10 +180,7 @@ class LoadRunner:
                     arrival = poisson_at
                     poisson_at += rng.expovariate(self.rate)
                 deadline = self.budget.deadline
-                if (
-                    deadline is not None
-                    and time.perf_counter() + arrival - (loop.time() - started) >= deadline
-                ):
+                if deadline is not None and started_perf + arrival >= deadline:
                     break  # the next arrival falls after the duration
                 delay = started + arrival - loop.time()
                 if delay > 0:

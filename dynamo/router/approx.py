@@ -10,7 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from dynamo.router.hashing import sequence_hashes
-from dynamo.router.radix_tree import RadixTree, SlotMap, WorkerKey
+from dynamo.router.radix_tree import RadixTree
+from dynamo.router.slots import SlotMap, WorkerKey
 
 DEFAULT_TTL_S = 120.0
 

@@ -17,7 +17,8 @@ from dynamo.protocol.kv_events import (
     KVRecoveryRequest,
     KVRecoveryResponse,
 )
-from dynamo.router.radix_tree import RadixTree, SlotMap, WorkerKey
+from dynamo.router.radix_tree import RadixTree
+from dynamo.router.slots import SlotMap, WorkerKey
 
 
 class EventStatus(StrEnum):

@@ -9,9 +9,7 @@ from itertools import repeat
 from typing import Protocol
 
 from dynamo.protocol.kv_events import BlocksStored, StoredBlock
-
-WorkerKey = tuple[int, int]
-"""A routing target: (worker_id, dp_rank)."""
+from dynamo.router.radix_run import Lookups, Run, common_prefix, index_of
 
 
 class BlockLike(Protocol):
@@ -19,21 +17,6 @@ class BlockLike(Protocol):
     def block_hash(self) -> int: ...
     @property
     def tokens_hash(self) -> int: ...
-
-
-class _Node:
-    """A run of consecutive blocks held by the same slots.
-
-    ``held[slot][i]`` is the slot's external id of block i of the run.
-    """
-
-    __slots__ = ("parent", "hashes", "kids", "held")
-
-    def __init__(self, parent: _Node | None, hashes: list[int], held: dict[int, list[int]]) -> None:
-        self.parent = parent
-        self.hashes = hashes  # local block hashes of the run (the root's is empty)
-        self.kids: dict[int, _Node] | None = None  # by the first hash of each child run
-        self.held = held
 
 
 class RadixTree:
@@ -48,6 +31,11 @@ class RadixTree:
       path; :meth:`find_matches` relies on it: a slot's score is where it drops out;
     * each slot's lookup maps each of its external ids to the run holding it.
 
+    ::
+
+        root ── [a b c] {w1, w2} ─┬─ [d e] {w1}     w1 holds a b c d e, w2 holds a b c x;
+                                  └─ [x]   {w2}     find_matches([a, b, c, d]) = {w1: 4, w2: 3}
+
     Work is per run, not per block (list slices and bulk dict updates), which is what makes a pure
     Python index fast enough. Single-threaded: one owner mutates it; nothing here awaits.
     """
@@ -55,8 +43,8 @@ class RadixTree:
     __slots__ = ("_root", "_lookups", "_blocks")
 
     def __init__(self) -> None:
-        self._root = _Node(None, [], {})
-        self._lookups: dict[int, dict[int, _Node]] = {}
+        self._root = Run(None, [], {})
+        self._lookups: Lookups = {}
         self._blocks = 0
 
     @property
@@ -103,7 +91,7 @@ class RadixTree:
             found = lookup.get(parent_hash)
             if found is None:
                 return False
-            node, off = found, _index(found.held[slot], parent_hash)
+            node, off = found, index_of(found.held[slot], parent_hash)
         if lookup.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == len(block_hashes):
             self._extend(slot, lookup, node, off, block_hashes, local_hashes)  # all ids new
             return True
@@ -111,7 +99,7 @@ class RadixTree:
         for b, h in zip(block_hashes, local_hashes, strict=True):
             at = lookup.get(b)
             if at is not None:
-                nxt = self._next(node, off, h)
+                nxt = node.next_position(off, h)
                 if nxt is not None and nxt[0] is at and at.held[slot][nxt[1]] == b:
                     node, off = nxt
                     cur_id = b
@@ -121,7 +109,7 @@ class RadixTree:
                     found = lookup.get(cur_id)
                     if found is None:
                         return False
-                    node, off = found, _index(found.held[slot], cur_id)
+                    node, off = found, index_of(found.held[slot], cur_id)
             node, off = self._extend(slot, lookup, node, off, [b], [h])
             cur_id = b
         return True
@@ -164,7 +152,7 @@ class RadixTree:
                 break
             hs = child.hashes
             run = len(hs)
-            matched = run if hs == q[i : i + run] else _common(hs, 0, q, i)
+            matched = run if hs == q[i : i + run] else common_prefix(hs, 0, q, i)
             held = child.held
             # holders only shrink along a path: equal sizes mean equal sets
             if prev is not None and len(held) != len(prev):
@@ -202,23 +190,11 @@ class RadixTree:
         ids: dict[int, int] = {}
         blocks = 0
         for n in self._walk():
-            for h, c in (n.kids or {}).items():
-                if c.parent is not n or not c.hashes or c.hashes[0] != h:
-                    raise AssertionError("child run mislinked")
-                if not c.held or (n.parent is not None and not c.held.keys() <= n.held.keys()):
-                    raise AssertionError("child run held by nobody or by a slot missing above")
-            if n.kids == {}:
-                raise AssertionError("empty child map kept")
-            if n.parent is None:
-                continue
-            blocks += len(n.hashes)
-            for s, lst in n.held.items():
-                if len(lst) != len(n.hashes):
-                    raise AssertionError(f"slot {s} id list does not cover its run")
-                lookup = self._lookups.get(s, {})
-                if any(lookup.get(b) is not n for b in lst):
-                    raise AssertionError(f"slot {s} lookup disagrees with a run")
-                ids[s] = ids.get(s, 0) + len(lst)
+            n.check(self._lookups)
+            if n.parent is not None:
+                blocks += len(n.hashes)
+                for s, lst in n.held.items():
+                    ids[s] = ids.get(s, 0) + len(lst)
         if blocks != self._blocks:
             raise AssertionError(f"block count {self._blocks} != {blocks}")
         for s, lookup in self._lookups.items():
@@ -227,7 +203,7 @@ class RadixTree:
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _walk(self) -> list[_Node]:
+    def _walk(self) -> list[Run]:
         out, stack = [], [self._root]
         while stack:
             n = stack.pop()
@@ -236,32 +212,26 @@ class RadixTree:
                 stack.extend(n.kids.values())
         return out
 
-    def _next(self, node: _Node, off: int, h: int) -> tuple[_Node, int] | None:
-        if off + 1 < len(node.hashes):
-            return (node, off + 1) if node.hashes[off + 1] == h else None
-        c = node.kids.get(h) if node.kids else None
-        return None if c is None else (c, 0)
-
     def _extend(
         self,
         slot: int,
-        lookup: dict[int, _Node],
-        node: _Node,
+        lookup: dict[int, Run],
+        node: Run,
         off: int,
         bl: list[int],
         hl: list[int],
-    ) -> tuple[_Node, int]:
+    ) -> tuple[Run, int]:
         """Store new ids ``bl`` (none in ``lookup``) after position (node, off), which the slot
         holds (or the root). Returns the position of the last block."""
         i, m = 0, len(bl)
         while i < m:
             hs = node.hashes
             if off + 1 < len(hs):  # inside a run the slot holds
-                run = _common(hs, off + 1, hl, i)
+                run = common_prefix(hs, off + 1, hl, i)
                 if run == 0:
-                    self._split(node, off + 1)  # diverges here
+                    node.split(off + 1, self._lookups)  # diverges here
                     continue
-                self._replace_ids(slot, lookup, node, off + 1, bl[i : i + run])
+                node.replace_ids(slot, lookup, off + 1, bl[i : i + run])
                 off += run
                 i += run
                 continue
@@ -275,59 +245,32 @@ class RadixTree:
                     node.held[slot].extend(rest_b)
                     lookup.update(zip(rest_b, repeat(node)))
                     return node, len(hs) - 1
-                child = _Node(node, rest_h, {slot: rest_b})
-                if kids is None:
-                    node.kids = {rest_h[0]: child}
-                else:
-                    kids[rest_h[0]] = child
+                child = Run(node, rest_h, {slot: rest_b})
+                node.add_child(child)
                 lookup.update(zip(rest_b, repeat(child)))
                 return child, len(rest_h) - 1
-            run = _common(c.hashes, 0, hl, i)
+            run = common_prefix(c.hashes, 0, hl, i)
             if slot in c.held:
-                self._replace_ids(slot, lookup, c, 0, bl[i : i + run])
+                c.replace_ids(slot, lookup, 0, bl[i : i + run])
             else:
                 if run < len(c.hashes):
-                    self._split(c, run)
+                    c.split(run, self._lookups)
                 ids = c.held[slot] = bl[i : i + run]
                 lookup.update(zip(ids, repeat(c)))
             node, off = c, run - 1
             i += run
         return node, off
 
-    def _replace_ids(
-        self, slot: int, lookup: dict[int, _Node], node: _Node, start: int, new: list[int]
-    ) -> None:
-        lst = node.held[slot]
-        end = start + len(new)
-        for x in lst[start:end]:
-            del lookup[x]
-        lst[start:end] = new
-        lookup.update(zip(new, repeat(node)))
-
-    def _split(self, node: _Node, t: int) -> _Node:
-        """Cut ``node`` before block t (0 < t < len); the tail becomes its only child."""
-        tail = _Node(node, node.hashes[t:], {})
-        for s, lst in node.held.items():
-            tail.held[s] = tl = lst[t:]
-            del lst[t:]
-            self._lookups[s].update(zip(tl, repeat(tail)))
-        tail.kids = node.kids
-        for c in (tail.kids or {}).values():
-            c.parent = tail
-        del node.hashes[t:]
-        node.kids = {tail.hashes[0]: tail}
-        return tail
-
     def _remove_one(
-        self, slot: int, lookup: dict[int, _Node], b: int, removed: list[int] | None
+        self, slot: int, lookup: dict[int, Run], b: int, removed: list[int] | None
     ) -> bool:
         node = lookup.get(b)
         if node is None:
             return False
-        t = _index(node.held[slot], b)
+        t = index_of(node.held[slot], b)
         if t > 0:
             if len(node.held) > 1:
-                node = self._split(node, t)
+                node = node.split(t, self._lookups)
             else:  # the slot's own run: cut it short
                 lst = node.held[slot]
                 dropped = lst[t:]
@@ -345,10 +288,10 @@ class RadixTree:
         return True
 
     def _detach(
-        self, slot: int, lookup: dict[int, _Node], top: _Node, removed: list[int] | None
+        self, slot: int, lookup: dict[int, Run], top: Run, removed: list[int] | None
     ) -> None:
         """The slot lets go of run ``top`` and all of its descendants."""
-        survivors: list[_Node | None] = [top.parent]
+        survivors: list[Run | None] = [top.parent]
         stack = [top]
         while stack:
             n = stack.pop()
@@ -360,89 +303,11 @@ class RadixTree:
             kids = n.kids
             if kids:
                 stack.extend(c for c in kids.values() if slot in c.held)
-            if not n.held:  # nobody left: unlink (breaking the parent <-> child cycle)
+            if not n.held:  # nobody left
                 self._blocks -= len(n.hashes)
-                p = n.parent
-                if p is not None and p.kids is not None and p.kids.get(n.hashes[0]) is n:
-                    del p.kids[n.hashes[0]]
-                    if not p.kids:
-                        p.kids = None
-                n.parent = None
-                n.kids = None
+                n.unlink()
             else:
                 survivors.append(n)
         for m in survivors:  # holders changed: runs may join their only child again
             if m is not None:
-                self._maybe_merge(m)
-
-    def _maybe_merge(self, n: _Node) -> None:
-        """Join a run with its only child when both have the same holders (keeps runs long)."""
-        if n.parent is None or not n.held:
-            return  # the root, or a run already merged away
-        while n.kids is not None and len(n.kids) == 1:
-            (c,) = n.kids.values()
-            if c.held.keys() != n.held.keys():
-                return
-            n.hashes.extend(c.hashes)
-            for s, lst in c.held.items():
-                n.held[s].extend(lst)
-                self._lookups[s].update(zip(lst, repeat(n)))
-            n.kids = c.kids
-            for g in (n.kids or {}).values():
-                g.parent = n
-            c.parent = None
-            c.kids = None
-
-
-def _index(lst: list[int], x: int) -> int:
-    return len(lst) - 1 if lst[-1] == x else lst.index(x)
-
-
-def _common(a: list[int], ai: int, b: list[int], bi: int) -> int:
-    """Length of the common prefix of a[ai:] and b[bi:]."""
-    n = min(len(a) - ai, len(b) - bi)
-    if a[ai : ai + n] == b[bi : bi + n]:
-        return n
-    k = 0
-    while a[ai + k] == b[bi + k]:
-        k += 1
-    return k
-
-
-class SlotMap:
-    """Allocates small-int slots for worker keys and maps them back (freed slots are reused)."""
-
-    __slots__ = ("_slot_of", "_key_of", "_free")
-
-    def __init__(self) -> None:
-        self._slot_of: dict[WorkerKey, int] = {}
-        self._key_of: list[WorkerKey] = []
-        self._free: list[int] = []
-
-    def get(self, key: WorkerKey) -> int | None:
-        return self._slot_of.get(key)
-
-    def slot(self, key: WorkerKey) -> int:
-        s = self._slot_of.get(key)
-        if s is None:
-            if self._free:
-                s = self._free.pop()
-                self._key_of[s] = key
-            else:
-                s = len(self._key_of)
-                self._key_of.append(key)
-            self._slot_of[key] = s
-        return s
-
-    def release(self, key: WorkerKey) -> int | None:
-        s = self._slot_of.pop(key, None)
-        if s is not None:
-            self._free.append(s)
-        return s
-
-    def keys(self) -> list[WorkerKey]:
-        return list(self._slot_of)
-
-    def to_keys(self, scores: dict[int, int]) -> dict[WorkerKey, int]:
-        key_of = self._key_of
-        return {key_of[s]: d for s, d in scores.items()}
+                m.join_only_child(self._lookups)

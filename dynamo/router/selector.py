@@ -9,7 +9,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynamo.router.radix_tree import WorkerKey
+from dynamo.router.slots import WorkerKey
 from dynamo.runtime.errors import NoInstances, Overloaded
 
 

@@ -161,7 +161,7 @@ def test_index_matches_brute_force(data: st.DataObject, extra: list[list[int]], 
             assert index.num_blocks(*k) == len(model.ext.get(k, {}))
     for q in _queries(model, extra):
         assert index.find_matches(q) == model.matches(q)
-    # memory follows held blocks: one node per distinct held path
+    # memory follows held blocks: the tree keeps exactly the distinct held paths
     assert index.tree_blocks == len(set().union(*[model.held(k) for k in model.ext]))
     # a fresh index that ingests every dump ends with exactly the same state
     fresh, replay = KVIndexer(), Model()
