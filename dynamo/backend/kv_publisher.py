@@ -20,6 +20,7 @@ from dynamo.protocol.kv_events import (
     KVEventBatch,
     KVRecoveryRequest,
 )
+from dynamo.protocol.kv_wire import encode_batch
 from dynamo.protocol.load import LOAD_TOPIC, WorkerLoad
 from dynamo.router.local_index import LocalKVIndex
 from dynamo.runtime.context import Context
@@ -60,7 +61,7 @@ class KVPublisher:
         for event in batch.events:
             index.apply(event)
         self.num_batches += 1
-        await self._runtime.events.publish(KV_EVENTS_TOPIC, _encoder.encode(batch))
+        await self._runtime.events.publish(KV_EVENTS_TOPIC, encode_batch(batch))
 
     async def publish_load(self, load: WorkerLoad) -> None:
         await self._runtime.events.publish(LOAD_TOPIC, _encoder.encode(load))

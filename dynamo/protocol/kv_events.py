@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 KV_EVENTS_TOPIC = "kv-events"
-"""Event-plane topic of ``KVEventBatch`` messages (msgpack)."""
+"""Event-plane topic of KV events (the FACTS §2.1 wire schema: ``kv_wire.py``)."""
 RECOVERY_ENDPOINT = "kv_recovery"
 """Request-plane endpoint (beside a worker's generate endpoint) answering ``KVRecoveryRequest``."""
 

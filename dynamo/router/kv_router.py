@@ -23,9 +23,9 @@ from dynamo.observability.metrics import RouterMetrics
 from dynamo.protocol.kv_events import (
     KV_EVENTS_TOPIC,
     RECOVERY_ENDPOINT,
-    KVEventBatch,
     KVRecoveryResponse,
 )
+from dynamo.protocol.kv_wire import decode_batch
 from dynamo.protocol.model_card import ModelCard
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.router.approx import ApproxIndex
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 MAX_RECOVERY_ATTEMPTS = 3
 
-_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _recovery_decoder = msgspec.msgpack.Decoder(KVRecoveryResponse)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -266,10 +265,11 @@ class KVRouter:
         indexer = self.indexer
         async for message in self._sub:
             try:
-                batch = _batch_decoder.decode(message.payload)
-            except msgspec.DecodeError:
+                batch = decode_batch(message.payload)
+            except (msgspec.DecodeError, ValueError):
+                log.warning("ignoring a malformed kv-events message")
                 continue
-            if batch.worker_id not in self._workers:
+            if batch is None or batch.worker_id not in self._workers:
                 continue  # another model's worker, or one we have not met yet (recovered then)
             before = dict(indexer.counters) if self._metrics is not None else None
             for worker_id, rank in indexer.apply_batch(batch):
