@@ -3,8 +3,8 @@ its requests one at a time, seeing the previous request's outcome (multi-turn ch
 answer). Single-request workloads yield one-request sessions.
 
 Shapes: ``synthetic`` (exact input/output lengths, optionally normally distributed),
-``prefix`` (G groups sharing a P-token prefix, plus S unique tokens per request; requests go to
-the groups round-robin), ``multi-turn`` (each turn appends the previous answer and a new user
+``prefix`` (G groups sharing a P-token prefix, plus S unique tokens per request; each request
+picks a random group), ``multi-turn`` (each turn appends the previous answer and a new user
 message), and ``trace`` (Mooncake JSONL replay, in ``dynamo.bench.trace``).
 """
 
@@ -124,7 +124,10 @@ class SyntheticWorkload:
 class PrefixWorkload:
     """``groups`` groups; every request of a group starts with the group's ``prefix_len``
     tokens (the chat template's head counts inside them) followed by ``suffix_len`` tokens of
-    its own, so the server's prompt is exactly ``prefix_len + suffix_len`` tokens."""
+    its own, so the server's prompt is exactly ``prefix_len + suffix_len`` tokens.
+
+    Each request picks its group at random (seeded): a fixed cycle would line up with a
+    round-robin router's cycle and give it a cache affinity real traffic never has."""
 
     name = "prefix"
     collect_text = False
@@ -156,9 +159,10 @@ class PrefixWorkload:
 
     def sessions(self) -> Iterator[Session]:
         rng = random.Random(self._seed)
+        pick = random.Random(self._seed ^ 0x6A0)
         index = 0
         while True:
-            group = index % len(self.prefixes)
+            group = pick.randrange(len(self.prefixes))
             spec = spec_from_fit(
                 self._builder,
                 list(self.prefixes[group]),

@@ -93,7 +93,16 @@ def test_prefix_groups_share_exactly_their_prefix(
     workload = PrefixWorkload(builder, groups=3, prefix_len=96, suffix_len=40, osl=4, seed=1)
     specs = first_specs(workload, 12)
     tokens = [server_tokens(builder, spec) for spec in specs]
-    assert [spec.group for spec in specs] == [i % 3 for i in range(12)]
+    groups = [spec.group for spec in specs]
+    assert set(groups) == {0, 1, 2}, "every group is used"
+    assert groups != [i % 3 for i in range(12)], "groups are drawn at random, not cycled"
+    again = [
+        spec.group
+        for spec in first_specs(
+            PrefixWorkload(builder, groups=3, prefix_len=96, suffix_len=40, osl=4, seed=1), 12
+        )
+    ]
+    assert again == groups, "the draw is seeded"
     for spec, ids in zip(specs, tokens, strict=True):
         assert len(ids) == spec.expected_prompt_tokens == 136
     for i in range(12):
