@@ -24,7 +24,7 @@ from dynamo.frontend.streaming import (
     sse,
     usage,
 )
-from dynamo.observability.metrics import FrontendMetrics
+from dynamo.observability.metrics import FrontendMetrics, observe_many
 from dynamo.preprocess import GenerationParams, Prepared
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
 from dynamo.protocol.request import RoutingHints
@@ -385,8 +385,7 @@ class GenerateHandler:
             m.ttft.labels(model).observe(first - started)
         itl = m.itl.labels(model)
         for choice in stats.choices:
-            for gap in choice.itls:
-                itl.observe(gap)
+            observe_many(itl, choice.itls)
         if stats.cached_tokens is not None:
             m.cached_tokens.labels(model).observe(stats.cached_tokens)
 

@@ -182,7 +182,7 @@ async def _drain_after_stop(stream: AsyncIterator[bytes], ctx: Context, stats: C
         return
 
 
-async def run_choices(
+def run_choices(
     entry: ModelEntry[ModelPipeline],
     prepared: Sequence[Prepared],
     ctx: Context,
@@ -191,12 +191,20 @@ async def run_choices(
     want_token_ids: bool = False,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     """All choices of one HTTP request, merged in arrival order (choice i = prepared[i])."""
-    if len(prepared) == 1:  # the common case: no tasks, no queue
-        async for delta in stream_choice(
+    if len(prepared) == 1:  # the common case: the choice's own stream, no tasks, no queue
+        return stream_choice(
             entry, prepared[0], ctx, 0, stats.choices[0], want_token_ids=want_token_ids
-        ):
-            yield delta
-        return
+        )
+    return _merge_choices(entry, prepared, ctx, stats, want_token_ids)
+
+
+async def _merge_choices(
+    entry: ModelEntry[ModelPipeline],
+    prepared: Sequence[Prepared],
+    ctx: Context,
+    stats: RunStats,
+    want_token_ids: bool,
+) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
     async def pump(i: int) -> None:

@@ -44,8 +44,20 @@ def usage(prompt: int, completion: int, cached: int | None) -> CompletionUsage:
     )
 
 
+_MARK = "\x00"  # encodes as "\u0000": cannot occur elsewhere in an encoded chunk
+
+
+def _split_template(encoded: bytes) -> tuple[bytes, bytes]:
+    """(prefix, suffix) around the JSON string of the marker text in an encoded chunk."""
+    prefix, _, suffix = encoded.partition(encode_json(_MARK))
+    return b"data: " + prefix, suffix + b"\n\n"
+
+
 class ChatFormatter:
-    """Builds chat.completion chunks / responses for one request (one id, one model)."""
+    """Builds chat.completion chunks / responses for one request (one id, one model).
+
+    Content deltas, the per-token hot path, are the request's pre-rendered chunk with only the
+    text encoded per token (byte-identical to encoding the whole chunk)."""
 
     object_name = "chat"
 
@@ -53,6 +65,14 @@ class ChatFormatter:
         self.id = request_id
         self.model = model
         self.created = created
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def content_chunk(self, index: int, text: str) -> bytes:
+        template = self._templates.get(index)
+        if template is None:
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=_MARK))
+            template = self._templates[index] = _split_template(encode_json(self._chunk([choice])))
+        return template[0] + encode_json(text) + template[1]
 
     def role_chunk(self, index: int) -> bytes:
         return sse(
@@ -64,6 +84,8 @@ class ChatFormatter:
         )
 
     def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if finish_reason is None and text:
+            return self.content_chunk(index, text)
         delta = ChatDelta(content=text) if text else ChatDelta()
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         return sse(encode_json(self._chunk([choice])))
@@ -118,7 +140,7 @@ class ChatFormatter:
 
 
 class CompletionFormatter:
-    """Builds text_completion chunks / responses for one request."""
+    """Builds text_completion chunks / responses for one request (text deltas pre-rendered)."""
 
     object_name = "completion"
 
@@ -126,11 +148,20 @@ class CompletionFormatter:
         self.id = request_id
         self.model = model
         self.created = created
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     def role_chunk(self, index: int) -> bytes | None:
         return None
 
     def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if finish_reason is None:
+            template = self._templates.get(index)
+            if template is None:
+                marked = CompletionChoice(index=index, text=_MARK)
+                template = self._templates[index] = _split_template(
+                    encode_json(self._chunk([marked]))
+                )
+            return template[0] + encode_json(text) + template[1]
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
         return sse(encode_json(self._chunk([choice])))
 
