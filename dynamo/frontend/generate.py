@@ -13,7 +13,13 @@ import msgspec
 
 from dynamo.frontend.errors import HTTPError, error_payload, to_http
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
-from dynamo.frontend.pipeline import ChoiceStats, ModelPipeline, RunStats, run_choices
+from dynamo.frontend.pipeline import (
+    ChoiceDelta,
+    ChoiceStats,
+    ModelPipeline,
+    RunStats,
+    run_choices,
+)
 from dynamo.frontend.streaming import (
     DONE,
     JSON_HEADERS,
@@ -232,27 +238,33 @@ class GenerateHandler:
             self._fail(http, exc, req.model, _endpoint(fmt), "stream", id_headers)
             return "error", to_http(exc).error_type
         sink = http.start_stream(200, [*SSE_HEADERS, *id_headers])
-        disconnect = asyncio.ensure_future(http.disconnected())
-        disconnect.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
+        disconnect = _watch_disconnect(http, ctx)
+        want_ids = _wants(req, "token_ids")
         try:
-            for chunk in self._preamble(req, prepared, fmt, request_id=_echoed_id(id_headers)):
-                await sink.send(chunk)
+            # Writes are batched where the order allows: the preamble with the first delta,
+            # the last delta's trailers with [DONE] (one write to the client each).
+            head = self._preamble(req, prepared, fmt, request_id=_echoed_id(id_headers))
             if first is not None:
-                await self._send_delta(sink, fmt, first, req)
+                head.extend(self._delta_chunks(fmt, first, want_ids))
+            await sink.send(b"".join(head))
             async for delta in deltas:
-                await self._send_delta(sink, fmt, delta, req)
+                if delta.token_ids is None and delta.finish_reason is None:
+                    await sink.send(fmt.delta_chunk(delta.index, delta.text, None))
+                else:
+                    await sink.send(b"".join(self._delta_chunks(fmt, delta, want_ids)))
+            tail: list[bytes] = []
             final = self._final_extras(req, stats)
             if final:
-                await sink.send(fmt.extra_chunk(final))
+                tail.append(fmt.extra_chunk(final))
             if req.stream_options is not None and req.stream_options.include_usage:
                 u = usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-                await sink.send(fmt.usage_chunk(u))
-            await sink.send(DONE)
+                tail.append(fmt.usage_chunk(u))
+            tail.append(DONE)
+            await sink.send(b"".join(tail))
             return "success", ""
         except Exception as exc:
             if disconnect.done():
-                self._m.disconnected_clients.inc()
-                self._m.model_cancellation.labels(req.model, _endpoint(fmt), "stream").inc()
+                self._count_disconnect(req.model, _endpoint(fmt), "stream")
                 return "error", "cancelled"
             reply = to_http(exc, self._overload_status)
             try:  # an error after streaming began: an SSE error event, then [DONE]
@@ -265,10 +277,17 @@ class GenerateHandler:
             disconnect.cancel()
             await deltas.aclose()
 
-    async def _send_delta(self, sink: Any, fmt: Formatter, delta: Any, req: Any) -> None:
-        if delta.token_ids is not None and _wants(req, "token_ids"):
-            await sink.send(fmt.extra_chunk({"token_ids": delta.token_ids}, "token_ids"))
-        await sink.send(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason))
+    @staticmethod
+    def _delta_chunks(fmt: Formatter, delta: ChoiceDelta, want_ids: bool) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.token_ids is not None and want_ids:
+            out.append(fmt.extra_chunk({"token_ids": delta.token_ids}, "token_ids"))
+        out.append(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason))
+        return out
+
+    def _count_disconnect(self, model: str, endpoint: str, request_type: str) -> None:
+        self._m.disconnected_clients.inc()
+        self._m.model_cancellation.labels(model, endpoint, request_type).inc()
 
     def _preamble(
         self,
@@ -318,8 +337,7 @@ class GenerateHandler:
         reasons: list[str | None] = [None] * len(prepared)
         want_ids = _wants(req, "token_ids")
         token_ids: list[int] = []
-        disconnect = asyncio.ensure_future(http.disconnected())
-        disconnect.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
+        disconnect = _watch_disconnect(http, ctx)
         try:
             async for delta in run_choices(entry, prepared, ctx, stats, want_token_ids=want_ids):
                 texts[delta.index].append(delta.text)
@@ -329,7 +347,7 @@ class GenerateHandler:
                     token_ids.extend(delta.token_ids)
         except Exception as exc:
             if disconnect.done():
-                self._m.disconnected_clients.inc()
+                self._count_disconnect(req.model, _endpoint(fmt), "unary")
                 return "error", "cancelled"
             self._fail(http, exc, req.model, _endpoint(fmt), "unary", id_headers)
             return "error", to_http(exc).error_type
@@ -388,6 +406,14 @@ class GenerateHandler:
             observe_many(itl, choice.itls)
         if stats.cached_tokens is not None:
             m.cached_tokens.labels(model).observe(stats.cached_tokens)
+
+
+def _watch_disconnect(http: Exchange, ctx: Context) -> asyncio.Future[None]:
+    """A future that resolves when the client goes away, stopping the request's context.
+    Cancel it when the response is done."""
+    watch = asyncio.ensure_future(http.disconnected())
+    watch.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
+    return watch
 
 
 def _first(*values: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from dynamo.protocol.openai import (
@@ -53,13 +55,13 @@ def _split_template(encoded: bytes) -> tuple[bytes, bytes]:
     return b"data: " + prefix, suffix + b"\n\n"
 
 
-class ChatFormatter:
-    """Builds chat.completion chunks / responses for one request (one id, one model).
+class _Formatter:
+    """Shared shaping for one request (one id, one model, one ``created``).
 
-    Content deltas, the per-token hot path, are the request's pre-rendered chunk with only the
-    text encoded per token (byte-identical to encoding the whole chunk)."""
-
-    object_name = "chat"
+    Text deltas, the per-token hot path, are the request's pre-rendered chunk with only the text
+    encoded per token: byte-identical to encoding the whole chunk. Subclasses say how a chunk, a
+    choice and the unary response look.
+    """
 
     def __init__(self, request_id: str, model: str, created: int) -> None:
         self.id = request_id
@@ -67,28 +69,38 @@ class ChatFormatter:
         self.created = created
         self._templates: dict[int, tuple[bytes, bytes]] = {}
 
-    def content_chunk(self, index: int, text: str) -> bytes:
+    # -- what differs per API ---------------------------------------------------------------
+    def _chunk(
+        self,
+        choices: list[Any],
+        *,
+        usage: CompletionUsage | None = None,
+        nvext: dict[str, object] | None = None,
+    ) -> msgspec.Struct:
+        raise NotImplementedError
+
+    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> Any:
+        raise NotImplementedError
+
+    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
+        raise NotImplementedError
+
+    def role_chunk(self, index: int) -> bytes | None:
+        """The first chunk of a choice (chat: the assistant role), or None."""
+        return None
+
+    # -- shared ---------------------------------------------------------------------------------
+    def text_chunk(self, index: int, text: str) -> bytes:
         template = self._templates.get(index)
         if template is None:
-            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=_MARK))
-            template = self._templates[index] = _split_template(encode_json(self._chunk([choice])))
+            marked = self._text_choice(index, _MARK, None)
+            template = self._templates[index] = _split_template(encode_json(self._chunk([marked])))
         return template[0] + encode_json(text) + template[1]
-
-    def role_chunk(self, index: int) -> bytes:
-        return sse(
-            encode_json(
-                self._chunk(
-                    [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
-                )
-            )
-        )
 
     def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
         if finish_reason is None and text:
-            return self.content_chunk(index, text)
-        delta = ChatDelta(content=text) if text else ChatDelta()
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
-        return sse(encode_json(self._chunk([choice])))
+            return self.text_chunk(index, text)
+        return sse(encode_json(self._chunk([self._text_choice(index, text, finish_reason)])))
 
     def extra_chunk(self, nvext: dict[str, object], event: str | None = None) -> bytes:
         return sse(encode_json(self._chunk([], nvext=nvext)), event)
@@ -96,9 +108,27 @@ class ChatFormatter:
     def usage_chunk(self, u: CompletionUsage) -> bytes:
         return sse(encode_json(self._chunk([], usage=u)))
 
+    def response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        u: CompletionUsage,
+        nvext: dict[str, object] | None,
+    ) -> bytes:
+        return encode_json(self._unary(self._response(texts, finish_reasons), u, nvext))
+
+    def _unary(
+        self, choices: list[Any], u: CompletionUsage, nvext: dict[str, object] | None
+    ) -> msgspec.Struct:
+        raise NotImplementedError
+
+
+class ChatFormatter(_Formatter):
+    """chat.completion.chunk / chat.completion."""
+
     def _chunk(
         self,
-        choices: list[ChatChunkChoice],
+        choices: list[Any],
         *,
         usage: CompletionUsage | None = None,
         nvext: dict[str, object] | None = None,
@@ -112,14 +142,16 @@ class ChatFormatter:
             nvext=nvext,
         )
 
-    def response(
-        self,
-        texts: list[str],
-        finish_reasons: list[str | None],
-        u: CompletionUsage,
-        nvext: dict[str, object] | None,
-    ) -> bytes:
-        choices = [
+    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> ChatChunkChoice:
+        delta = ChatDelta(content=text) if text else ChatDelta()
+        return ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+
+    def role_chunk(self, index: int) -> bytes:
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        return sse(encode_json(self._chunk([choice])))
+
+    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
+        return [
             ChatChoice(
                 index=i,
                 message=ChatResponseMessage(role="assistant", content=texts[i]),
@@ -127,53 +159,26 @@ class ChatFormatter:
             )
             for i in range(len(texts))
         ]
-        return encode_json(
-            ChatCompletionResponse(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=choices,
-                usage=u,
-                nvext=nvext,
-            )
+
+    def _unary(
+        self, choices: list[Any], u: CompletionUsage, nvext: dict[str, object] | None
+    ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=u,
+            nvext=nvext,
         )
 
 
-class CompletionFormatter:
-    """Builds text_completion chunks / responses for one request (text deltas pre-rendered)."""
-
-    object_name = "completion"
-
-    def __init__(self, request_id: str, model: str, created: int) -> None:
-        self.id = request_id
-        self.model = model
-        self.created = created
-        self._templates: dict[int, tuple[bytes, bytes]] = {}
-
-    def role_chunk(self, index: int) -> bytes | None:
-        return None
-
-    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
-        if finish_reason is None:
-            template = self._templates.get(index)
-            if template is None:
-                marked = CompletionChoice(index=index, text=_MARK)
-                template = self._templates[index] = _split_template(
-                    encode_json(self._chunk([marked]))
-                )
-            return template[0] + encode_json(text) + template[1]
-        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
-        return sse(encode_json(self._chunk([choice])))
-
-    def extra_chunk(self, nvext: dict[str, object], event: str | None = None) -> bytes:
-        return sse(encode_json(self._chunk([], nvext=nvext)), event)
-
-    def usage_chunk(self, u: CompletionUsage) -> bytes:
-        return sse(encode_json(self._chunk([], usage=u)))
+class CompletionFormatter(_Formatter):
+    """text_completion chunks and response (one struct for both)."""
 
     def _chunk(
         self,
-        choices: list[CompletionChoice],
+        choices: list[Any],
         *,
         usage: CompletionUsage | None = None,
         nvext: dict[str, object] | None = None,
@@ -187,27 +192,24 @@ class CompletionFormatter:
             nvext=nvext,
         )
 
-    def response(
-        self,
-        texts: list[str],
-        finish_reasons: list[str | None],
-        u: CompletionUsage,
-        nvext: dict[str, object] | None,
-    ) -> bytes:
-        choices = [
+    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> CompletionChoice:
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+
+    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if finish_reason is None:  # an empty text delta is still a chunk here
+            return self.text_chunk(index, text)
+        return super().delta_chunk(index, text, finish_reason)
+
+    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
+        return [
             CompletionChoice(index=i, text=texts[i], finish_reason=finish_reasons[i])
             for i in range(len(texts))
         ]
-        return encode_json(
-            CompletionChunk(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=choices,
-                usage=u,
-                nvext=nvext,
-            )
-        )
+
+    def _unary(
+        self, choices: list[Any], u: CompletionUsage, nvext: dict[str, object] | None
+    ) -> CompletionChunk:
+        return self._chunk(choices, usage=u, nvext=nvext)
 
 
 Formatter = ChatFormatter | CompletionFormatter
