@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo.frontend.errors import HTTPError, error_payload, to_http
+from dynamo.frontend.errors import error_payload, to_http
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import (
     ChoiceDelta,
@@ -20,6 +19,7 @@ from dynamo.frontend.pipeline import (
     RunStats,
     run_choices,
 )
+from dynamo.frontend.request_params import prepare_request, wants
 from dynamo.frontend.streaming import (
     DONE,
     JSON_HEADERS,
@@ -31,18 +31,16 @@ from dynamo.frontend.streaming import (
     usage,
 )
 from dynamo.observability.metrics import FrontendMetrics, observe_many
-from dynamo.preprocess import GenerationParams, Prepared
-from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
-from dynamo.protocol.request import RoutingHints
+from dynamo.preprocess import Prepared
+from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import InvalidArgument, NoInstances, Overloaded
+from dynamo.runtime.errors import NoInstances, Overloaded
 
 if TYPE_CHECKING:
     from dynamo.frontend.routes import Exchange
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
-_SUPPORTED_ANNOTATIONS = ("request_id", "formatted_prompt", "token_ids")
 
 
 class GenerateHandler:
@@ -118,7 +116,7 @@ class GenerateHandler:
                 model = req.model
                 request_type = "stream" if req.stream else "unary"
                 entry = self._registry.get(req.model)
-                prepared = self._prepare(entry, req, engine_id)
+                prepared = prepare_request(entry.pipeline.preprocessor, req, engine_id)
             except Exception as exc:
                 self._fail(http, exc, model, endpoint, request_type, id_headers)
                 return
@@ -155,67 +153,6 @@ class GenerateHandler:
             self.inflight -= 1
 
     # -- preprocessing -----------------------------------------------------------------------
-    def _prepare(
-        self,
-        entry: ModelEntry[ModelPipeline],
-        req: ChatCompletionRequest | CompletionRequest,
-        request_id: str,
-    ) -> list[Prepared]:
-        nv = req.nvext
-        annotations = (
-            [a for a in (nv.annotations or []) if a in _SUPPORTED_ANNOTATIONS] if nv else []
-        )
-        routing = None
-        if nv is not None and (nv.backend_instance_id is not None or nv.dp_rank is not None):
-            routing = RoutingHints(backend_instance_id=nv.backend_instance_id, dp_rank=nv.dp_rank)
-        max_tokens = req.max_tokens
-        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-            max_tokens = req.max_completion_tokens
-        if isinstance(req, CompletionRequest) and max_tokens is None:
-            max_tokens = 16  # OpenAI's default for the legacy completions API
-        greedy = bool(nv and (nv.greedy_sampling or nv.greed_sampling))
-        stop_ids = list(req.stop_token_ids or [])
-        params = GenerationParams(
-            max_tokens=max_tokens,
-            min_tokens=_first(req.min_tokens, nv.min_tokens if nv else None),
-            stop=req.stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=bool(_first(nv.ignore_eos if nv else None, req.ignore_eos)),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=_first(nv.top_k if nv else None, req.top_k),
-            seed=req.seed,
-            repetition_penalty=_first(
-                nv.repetition_penalty if nv else None, req.repetition_penalty
-            ),
-            greedy=greedy,
-            n=req.n,
-            annotations=annotations,
-            request_id=request_id,
-            routing=routing,
-        )
-        pre = entry.pipeline.preprocessor
-        if isinstance(req, ChatCompletionRequest):
-            messages = msgspec.to_builtins(req.messages)
-            base = [
-                pre.chat(
-                    messages,
-                    params,
-                    tools=req.tools,
-                    add_generation_prompt=req.add_generation_prompt,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                    use_raw_prompt=bool(nv and nv.use_raw_prompt),
-                )
-            ]
-        else:
-            try:
-                prompts = normalize_prompt(req.prompt)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from exc
-            batch: Any = prompts if len(prompts) > 1 else prompts[0]
-            base = pre.completion(batch, params)
-        return _expand_n(base, req.n)
-
     # -- streaming ---------------------------------------------------------------------------
     async def _stream(
         self,
@@ -228,7 +165,7 @@ class GenerateHandler:
         fmt: Formatter,
         id_headers: list[tuple[str, str]],
     ) -> tuple[str, str]:
-        deltas = run_choices(entry, prepared, ctx, stats, want_token_ids=_wants(req, "token_ids"))
+        deltas = run_choices(entry, prepared, ctx, stats, want_token_ids=wants(req, "token_ids"))
         # Route and reach the worker before committing to 200: an error before the first
         # event is an HTTP error response (FACTS §10.2).
         first: Any = None
@@ -239,7 +176,7 @@ class GenerateHandler:
             return "error", to_http(exc).error_type
         sink = http.start_stream(200, [*SSE_HEADERS, *id_headers])
         disconnect = _watch_disconnect(http, ctx)
-        want_ids = _wants(req, "token_ids")
+        want_ids = wants(req, "token_ids")
         try:
             # Writes are batched where the order allows: the preamble with the first delta,
             # the last delta's trailers with [DONE] (one write to the client each).
@@ -298,9 +235,9 @@ class GenerateHandler:
         request_id: str,
     ) -> list[bytes]:
         out: list[bytes] = []
-        if _wants(req, "request_id"):
+        if wants(req, "request_id"):
             out.append(fmt.extra_chunk({"request_id": request_id}, "request_id"))
-        if _wants(req, "formatted_prompt"):
+        if wants(req, "formatted_prompt"):
             out.append(
                 fmt.extra_chunk(
                     {"formatted_prompt": prepared[0].formatted_prompt}, "formatted_prompt"
@@ -335,7 +272,7 @@ class GenerateHandler:
     ) -> tuple[str, str]:
         texts: list[list[str]] = [[] for _ in prepared]
         reasons: list[str | None] = [None] * len(prepared)
-        want_ids = _wants(req, "token_ids")
+        want_ids = wants(req, "token_ids")
         token_ids: list[int] = []
         disconnect = _watch_disconnect(http, ctx)
         try:
@@ -354,9 +291,9 @@ class GenerateHandler:
         finally:
             disconnect.cancel()
         nvext: dict[str, object] = {}
-        if _wants(req, "request_id"):
+        if wants(req, "request_id"):
             nvext["request_id"] = _echoed_id(id_headers)
-        if _wants(req, "formatted_prompt"):
+        if wants(req, "formatted_prompt"):
             nvext["formatted_prompt"] = prepared[0].formatted_prompt
         if want_ids:
             nvext["token_ids"] = token_ids
@@ -416,18 +353,6 @@ def _watch_disconnect(http: Exchange, ctx: Context) -> asyncio.Future[None]:
     return watch
 
 
-def _first(*values: Any) -> Any:
-    for value in values:
-        if value is not None:
-            return value
-    return None
-
-
-def _wants(req: Any, annotation: str) -> bool:
-    nv = req.nvext
-    return bool(nv is not None and nv.annotations and annotation in nv.annotations)
-
-
 def _echoed_id(id_headers: list[tuple[str, str]]) -> str:
     """The request id the client sees (its own x-request-id, or the one made up for it)."""
     return id_headers[0][1]
@@ -435,25 +360,3 @@ def _echoed_id(id_headers: list[tuple[str, str]]) -> str:
 
 def _endpoint(fmt: Formatter) -> str:
     return "chat_completions" if isinstance(fmt, ChatFormatter) else "completions"
-
-
-def _expand_n(base: list[Prepared], n: int) -> list[Prepared]:
-    """n choices per prompt (OpenAI order: prompt-major); each its own engine request."""
-    if n == 1:
-        return base
-    out: list[Prepared] = []
-    for prompt_idx, p in enumerate(base):
-        for i in range(n):
-            req = msgspec.structs.replace(
-                p.request,
-                request_id=f"{p.request.request_id}-{prompt_idx * n + i}",
-                sampling=msgspec.structs.replace(
-                    p.request.sampling,
-                    seed=None if p.request.sampling.seed is None else p.request.sampling.seed + i,
-                ),
-            )
-            out.append(Prepared(req, p.formatted_prompt, list(p.stop), p.skip_special_tokens))
-    return out
-
-
-__all__ = ["Awaitable", "GenerateHandler", "HTTPError"]

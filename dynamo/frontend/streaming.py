@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import msgspec
@@ -55,7 +56,7 @@ def _split_template(encoded: bytes) -> tuple[bytes, bytes]:
     return b"data: " + prefix, suffix + b"\n\n"
 
 
-class _Formatter:
+class _Formatter(ABC):
     """Shared shaping for one request (one id, one model, one ``created``).
 
     Text deltas, the per-token hot path, are the request's pre-rendered chunk with only the text
@@ -70,20 +71,20 @@ class _Formatter:
         self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     # -- what differs per API ---------------------------------------------------------------
+    @abstractmethod
     def _chunk(
         self,
         choices: list[Any],
         *,
         usage: CompletionUsage | None = None,
         nvext: dict[str, object] | None = None,
-    ) -> msgspec.Struct:
-        raise NotImplementedError
+    ) -> msgspec.Struct: ...
 
-    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> Any: ...
 
-    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]: ...
 
     def role_chunk(self, index: int) -> bytes | None:
         """The first chunk of a choice (chat: the assistant role), or None."""
@@ -117,10 +118,10 @@ class _Formatter:
     ) -> bytes:
         return encode_json(self._unary(self._response(texts, finish_reasons), u, nvext))
 
+    @abstractmethod
     def _unary(
         self, choices: list[Any], u: CompletionUsage, nvext: dict[str, object] | None
-    ) -> msgspec.Struct:
-        raise NotImplementedError
+    ) -> msgspec.Struct: ...
 
 
 class ChatFormatter(_Formatter):

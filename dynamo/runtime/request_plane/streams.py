@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -28,7 +29,7 @@ DEFAULT_WINDOW = 128
 """Frames a stream may have in flight ahead of its consumer."""
 
 
-class Outbox:
+class Outbox(ABC):
     """Server-side sink of one stream. Transports implement ``send*``; credits live here.
 
     ``reset`` means the client is gone (it stopped reading or the connection dropped): the handler
@@ -43,14 +44,14 @@ class Outbox:
         self._loop = loop  # kept: get_running_loop() costs a getpid() syscall per call
         self._waiter: asyncio.Future[None] | None = None
 
-    def send(self, body: bytes) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def send(self, body: bytes) -> None: ...
 
-    def send_final(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def send_final(self) -> None: ...
 
-    def send_error(self, kind: str, message: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def send_error(self, kind: str, message: str) -> None: ...
 
     def blocked(self) -> bool:
         """True when the transport asks the producer to wait (besides credits)."""
@@ -115,7 +116,7 @@ async def run_handler(handler: Handler, body: bytes, ctx: Context, out: Outbox) 
             await aclose()
 
 
-class Inbox:
+class Inbox(ABC):
     """Client-side buffer of one stream: the transport pushes, :func:`iterate` drains.
 
     Subclasses open the stream (``open``), forward credits (``grant``), tell the server when the
@@ -133,18 +134,18 @@ class Inbox:
         self._unacked = 0
         self._grant_every = max(1, window // 2)
 
+    @abstractmethod
     async def open(self) -> None:
         """Send the request; set ``loop``. Raises CannotConnect & co. if the stream can't start."""
-        raise NotImplementedError
 
-    def grant(self, n: int) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def grant(self, n: int) -> None: ...
 
-    def abandon(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def abandon(self) -> None: ...
 
-    def release(self) -> None:
-        pass
+    def release(self) -> None:  # noqa: B027 - optional hook: most transports keep no state
+        """Free per-stream transport state (default: nothing to free)."""
 
     # -- transport side --------------------------------------------------------------------
     def push(self, body: bytes) -> None:
