@@ -141,4 +141,5 @@ class EndpointClient:
         info = self._instances.get(instance_id)
         if info is None:
             raise NoInstances(f"instance {instance_id:x} of {self.endpoint_id} is not live")
-        return self._transport.stream(info.address, self.endpoint_id.path, body, ctx)
+        route = self.endpoint_id.instance_path(instance_id)
+        return self._transport.stream(info.address, route, body, ctx)

@@ -37,6 +37,11 @@ class EndpointId:
     def __str__(self) -> str:
         return f"dyn://{self.path}"
 
+    def instance_path(self, instance_id: int) -> str:
+        """The request-plane route of one instance: several instances of one endpoint may live
+        in one process (``--num-workers``), each with its own handler."""
+        return f"{self.path}/{instance_id:x}"
+
     def instances_prefix(self) -> str:
         """Discovery prefix under which this endpoint's instances are registered."""
         return f"v1/instances/{self.namespace}/{self.component}/{self.endpoint}/"

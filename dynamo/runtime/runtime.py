@@ -68,7 +68,7 @@ class DistributedRuntime:
         self._events: EventPlane | None = None
         self._server: RequestPlaneServer | None = None
         self._transport: RequestPlaneClient | None = None
-        self._served: dict[int, ServedEndpoint] = {}
+        self._served: dict[tuple[EndpointId, int], ServedEndpoint] = {}
         self._clients: list[EndpointClient] = []
         self._started = False
         self._stopped = False
@@ -150,8 +150,10 @@ class DistributedRuntime:
     ) -> ServedEndpoint:
         """Serve ``handler`` and register a new instance of ``endpoint_id`` in discovery."""
         server = await self.server()
-        server.register(endpoint_id.path, handler)
         iid = instance_id if instance_id is not None else new_instance_id()
+        if (endpoint_id, iid) in self._served:
+            raise ValueError(f"instance {iid:x} of {endpoint_id} is already served")
+        server.register(endpoint_id.instance_path(iid), handler)
         info = InstanceInfo(
             namespace=endpoint_id.namespace,
             component=endpoint_id.component,
@@ -162,21 +164,19 @@ class DistributedRuntime:
         key = endpoint_id.instance_key(iid)
         await self.discovery.put(key, encode_instance(info), self.lease)
         served = ServedEndpoint(endpoint_id, iid, key)
-        self._served[iid] = served
+        self._served[(endpoint_id, iid)] = served
         return served
 
     async def unserve(self, served: ServedEndpoint) -> None:
         """Leave discovery first (no new requests), then stop accepting on the server."""
-        if self._served.pop(served.instance_id, None) is None:
+        if self._served.pop((served.endpoint_id, served.instance_id), None) is None:
             return
         try:
             await self.discovery.delete(served.key)
         except Exception:  # discovery may already be gone during teardown
             log.warning("could not delete %s from discovery", served.key, exc_info=True)
-        if self._server is not None and not any(
-            s.endpoint_id == served.endpoint_id for s in self._served.values()
-        ):
-            self._server.unregister(served.endpoint_id.path)
+        if self._server is not None:
+            self._server.unregister(served.endpoint_id.instance_path(served.instance_id))
 
     async def client(self, endpoint_id: EndpointId) -> EndpointClient:
         """A started client over ``endpoint_id``; closed with the runtime."""

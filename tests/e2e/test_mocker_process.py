@@ -53,14 +53,15 @@ async def test_mocker_serves_streams_and_caches_prefixes(
     loads = await runtime.events.subscribe(LOAD_TOPIC)
     client = await runtime.client(EndpointId("dynamo", "backend", "generate"))
     await client.wait_for_instances(2, timeout=20)
-    iid = client.instance_ids()[0]
+    iid, other = client.instance_ids()
     prompt = list(range(10, 170))  # 160 tokens = 10 blocks of 16
 
-    async def run() -> list[LLMEngineOutput]:
+    async def run(instance: int = iid) -> list[LLMEngineOutput]:
         body = _enc.encode(
             PreprocessedRequest(model="demo", token_ids=prompt, stop=StopConditions(max_tokens=8))
         )
-        return [_dec.decode(raw) async for raw in client.stream(body, Context(), instance_id=iid)]
+        stream = client.stream(body, Context(), instance_id=instance)
+        return [_dec.decode(raw) async for raw in stream]
 
     first = await run()
     assert sum(len(o.token_ids) for o in first) == 8
@@ -68,6 +69,9 @@ async def test_mocker_serves_streams_and_caches_prefixes(
     assert first[-1].usage is not None and first[-1].usage.cached_tokens == 0
     second = await run()
     assert second[-1].usage is not None and second[-1].usage.cached_tokens == 159  # all but one
+    # the other engine of the process (--num-workers 2) has its own, empty cache
+    elsewhere = await run(other)
+    assert elsewhere[-1].usage is not None and elsewhere[-1].usage.cached_tokens == 0
     # Load metrics arrive on the event plane; after a request nothing is running. (The first
     # messages can precede our subscription's connection: ZMQ's slow joiner; so retry.)
     seen = None

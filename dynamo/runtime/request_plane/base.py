@@ -36,7 +36,8 @@ class RequestPlaneServer(Protocol):
     async def start(self) -> None: ...
 
     def register(self, endpoint_path: str, handler: Handler) -> None:
-        """Serve ``endpoint_path`` (``ns.comp.ep``) with ``handler``. Re-registering replaces."""
+        """Serve ``endpoint_path`` with ``handler``. Re-registering replaces. The runtime routes
+        per instance (``EndpointId.instance_path``: ``ns.comp.ep/<instance id hex>``)."""
         ...
 
     def unregister(self, endpoint_path: str) -> None:
