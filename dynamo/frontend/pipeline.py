@@ -121,15 +121,16 @@ async def stream_choice(
         request.routing = hints
     client = entry.clients[entry.serving_role()]
     detok = pipeline.preprocessor.detokenizer(prepared)
-    stream = client.stream(_request_encoder.encode(request), ctx, instance_id=selection.instance_id)
-    decode = _output_decoder.decode
+    # Batches: every chunk received while we were busy is handled at once (one detokenizer
+    # call, one delta, one write to the HTTP client): coalescing when the consumer is behind.
+    stream = client.stream_batches(
+        _request_encoder.encode(request), ctx, instance_id=selection.instance_id
+    )
     first = True
     try:
-        async for raw in stream:
-            out = decode(raw)
-            if out.usage is not None and out.usage.cached_tokens is not None:
-                stats.cached_tokens = out.usage.cached_tokens
-            if out.token_ids:
+        async for batch in stream:
+            token_ids, reason, error = _merge(batch, stats)
+            if token_ids:
                 now = time.monotonic()
                 if first:
                     first = False
@@ -138,45 +139,69 @@ async def stream_choice(
                 elif stats.last_token_at is not None:
                     stats.itls.append(now - stats.last_token_at)
                 stats.last_token_at = now
-                res = detok.add(out.token_ids)
+                res = detok.add(token_ids)
                 stats.completion_tokens = detok.num_tokens
-                ids = out.token_ids if want_token_ids else None
+                ids = token_ids if want_token_ids else None
                 if res.finished is not None:
                     yield ChoiceDelta(index, res.text, "stop", ids)
-                    await _drain_after_stop(stream, ctx, stats)
+                    if reason is None:
+                        await _drain_after_stop(stream, ctx, stats)
                     return
-                if out.finish_reason is None:
+                if reason is None:
                     if res.text or ids:
                         yield ChoiceDelta(index, res.text, None, ids)
                     continue
                 text = res.text
             else:
+                ids = None
                 text = ""
-                if out.finish_reason is None:
+                if reason is None:
                     continue
-            reason = out.finish_reason
             if reason is FinishReason.ERROR:
-                raise Unknown(out.error or "engine error")
+                raise Unknown(error or "engine error")
             if reason is FinishReason.CANCELLED:
                 raise Cancelled("the engine cancelled the request")
             text += detok.flush().text
-            yield ChoiceDelta(index, text, _FINISH[reason], ids if out.token_ids else None)
+            yield ChoiceDelta(index, text, _FINISH[reason], ids)
             return
     finally:
         await stream.aclose()
         pipeline.router.on_finish(request_id)
 
 
-async def _drain_after_stop(stream: AsyncIterator[bytes], ctx: Context, stats: ChoiceStats) -> None:
+def _merge(
+    batch: list[bytes], stats: ChoiceStats
+) -> tuple[list[int], FinishReason | None, str | None]:
+    """Decode a batch of engine chunks: their tokens, and the terminal's reason and error (a
+    terminal is always the stream's last chunk). Records cached tokens from usage."""
+    decode = _output_decoder.decode
+    if len(batch) == 1:
+        out = decode(batch[0])
+        if out.usage is not None and out.usage.cached_tokens is not None:
+            stats.cached_tokens = out.usage.cached_tokens
+        return out.token_ids, out.finish_reason, out.error
+    token_ids: list[int] = []
+    reason: FinishReason | None = None
+    error: str | None = None
+    for raw in batch:
+        out = decode(raw)
+        token_ids += out.token_ids
+        if out.usage is not None and out.usage.cached_tokens is not None:
+            stats.cached_tokens = out.usage.cached_tokens
+        if out.finish_reason is not None:
+            reason, error = out.finish_reason, out.error
+    return token_ids, reason, error
+
+
+async def _drain_after_stop(
+    stream: AsyncIterator[list[bytes]], ctx: Context, stats: ChoiceStats
+) -> None:
     """A stop string ended the choice: cancel the engine and wait briefly for its terminal."""
     ctx.stop_generating()
     try:
         async with asyncio.timeout(DRAIN_TIMEOUT_S):
-            async for raw in stream:
-                out = _output_decoder.decode(raw)
-                if out.usage is not None and out.usage.cached_tokens is not None:
-                    stats.cached_tokens = out.usage.cached_tokens
-                if out.finish_reason is not None:
+            async for batch in stream:
+                if _merge(batch, stats)[1] is not None:
                     return
     except (TimeoutError, Exception):  # the choice is complete either way
         return

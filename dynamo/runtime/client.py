@@ -143,3 +143,13 @@ class EndpointClient:
             raise NoInstances(f"instance {instance_id:x} of {self.endpoint_id} is not live")
         route = self.endpoint_id.instance_path(instance_id)
         return self._transport.stream(info.address, route, body, ctx)
+
+    def stream_batches(
+        self, body: bytes, ctx: Context, *, instance_id: int
+    ) -> AsyncGenerator[list[bytes], None]:
+        """Like :meth:`stream` to one instance, yielding the bodies received so far as a list."""
+        info = self._instances.get(instance_id)
+        if info is None:
+            raise NoInstances(f"instance {instance_id:x} of {self.endpoint_id} is not live")
+        route = self.endpoint_id.instance_path(instance_id)
+        return self._transport.stream_batches(info.address, route, body, ctx)

@@ -61,4 +61,11 @@ class RequestPlaneClient(Protocol):
         before the end cancels the request on the server."""
         ...
 
+    def stream_batches(
+        self, address: str, endpoint_path: str, body: bytes, ctx: Context
+    ) -> AsyncGenerator[list[bytes], None]:
+        """Like :meth:`stream`, yielding every response body already received as one list
+        (for consumers that coalesce when they fall behind)."""
+        ...
+
     async def close(self) -> None: ...

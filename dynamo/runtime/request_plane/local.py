@@ -19,6 +19,7 @@ from dynamo.runtime.request_plane.streams import (
     Inbox,
     Outbox,
     iterate,
+    iterate_batches,
     run_handler,
 )
 
@@ -196,6 +197,12 @@ class LocalRequestPlaneClient:
         self, address: str, endpoint_path: str, body: bytes, ctx: Context
     ) -> AsyncGenerator[bytes, None]:
         return iterate(_LocalInbox(self._hub, address, endpoint_path, body, ctx, self._window))
+
+    def stream_batches(
+        self, address: str, endpoint_path: str, body: bytes, ctx: Context
+    ) -> AsyncGenerator[list[bytes], None]:
+        inbox = _LocalInbox(self._hub, address, endpoint_path, body, ctx, self._window)
+        return iterate_batches(inbox)
 
     async def close(self) -> None:
         """Nothing to release: streams belong to their servers."""

@@ -18,7 +18,12 @@ from dynamo.runtime.errors import (
     InvalidArgument,
     StreamIncomplete,
 )
-from dynamo.runtime.request_plane.streams import DEFAULT_WINDOW, Inbox, iterate
+from dynamo.runtime.request_plane.streams import (
+    DEFAULT_WINDOW,
+    Inbox,
+    iterate,
+    iterate_batches,
+)
 from dynamo.runtime.request_plane.tcp_connection import FrameWriter
 
 log = logging.getLogger(__name__)
@@ -241,6 +246,11 @@ class TCPRequestPlaneClient:
         self, address: str, endpoint_path: str, body: bytes, ctx: Context
     ) -> AsyncGenerator[bytes, None]:
         return iterate(_TCPInbox(self, address, endpoint_path, body, ctx, self._window))
+
+    def stream_batches(
+        self, address: str, endpoint_path: str, body: bytes, ctx: Context
+    ) -> AsyncGenerator[list[bytes], None]:
+        return iterate_batches(_TCPInbox(self, address, endpoint_path, body, ctx, self._window))
 
     def num_connections(self, address: str | None = None) -> int:
         if address is None:
