@@ -131,9 +131,9 @@ async def test_synthetic_chat_exact_lengths_report_and_server_cpu(
     assert len({r.prompt_tokens for r in result.records}) > 5  # lengths really vary
     summary = result.summary
     assert summary["ttft_ms"]["count"] == 24
-    # One gap per pair of text chunks; a token whose text is held back (a split UTF-8
-    # character, a skipped special token) arrives with the next one.
-    assert 24 * 8 <= summary["itl_ms"]["count"] <= 24 * 11
+    # One gap per pair of text chunks: at most OSL - 1 per request; fewer when a token's text is
+    # held back (a split UTF-8 character) or the frontend coalesces a burst into one chunk.
+    assert 0 < summary["itl_ms"]["count"] <= 24 * 11
     assert summary["output_token_throughput_tps"] > 0
     assert summary["server_cpu"]["cpu_s"] > 0  # the frontend and mockers under dynamo serve
     assert summary["server_cpu"]["cpu_ms_per_request"] > 0
