@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,9 @@ from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 
 log = logging.getLogger(__name__)
+
+SPEEDUP0_SLICE_S = 0.0005
+"""At speedup 0, the longest the step loop works before letting consumers run."""
 
 KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
 """Receives each pass's KV events of one rank, in order (the worker publishes them)."""
@@ -62,6 +66,7 @@ class _Rank:
     collectors: dict[str, _Collector] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_load: WorkerLoad | None = None
+    next_yield: float = 0.0
 
 
 class MockerEngine(LLMEngine):
@@ -220,8 +225,12 @@ class MockerEngine(LLMEngine):
                     continue
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
                     await self.clock.sleep(out.start + out.duration - self.clock.now())
-                else:
-                    await asyncio.sleep(0)  # speedup 0: still let consumers and arrivals run
+                elif out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
+                    # Speedup 0 (no simulated time): let consumers and arrivals run after a
+                    # prefill (first tokens go out at once) and every SPEEDUP0_SLICE_S of work;
+                    # decode tokens in between reach the collectors, which coalesce them.
+                    await asyncio.sleep(0)
+                    rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 self._deliver(rank, out)
                 await self._publish(rank, out)
         except asyncio.CancelledError:

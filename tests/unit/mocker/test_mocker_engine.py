@@ -275,7 +275,7 @@ async def test_without_a_hint_requests_spread_over_ranks() -> None:
     engine = await started(fast(data_parallel_size=2))
     try:
         streams = [
-            engine.generate(make_request(30, 50, start=100 * i), Context()) for i in range(4)
+            engine.generate(make_request(30, 5000, start=100 * i), Context()) for i in range(4)
         ]
         firsts = [await anext(s) for s in streams]
         assert all(f.token_ids for f in firsts)
