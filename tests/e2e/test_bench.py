@@ -132,8 +132,9 @@ async def test_synthetic_chat_exact_lengths_report_and_server_cpu(
     summary = result.summary
     assert summary["ttft_ms"]["count"] == 24
     # One gap per pair of text chunks: at most OSL - 1 per request; fewer when a token's text is
-    # held back (a split UTF-8 character) or the frontend coalesces a burst into one chunk.
-    assert 0 < summary["itl_ms"]["count"] <= 24 * 11
+    # held back (a split UTF-8 character) or a burst arrives as one chunk (at speedup 0 the
+    # whole answer often does).
+    assert 0 <= summary["itl_ms"]["count"] <= 24 * 11
     assert summary["output_token_throughput_tps"] > 0
     assert summary["server_cpu"]["cpu_s"] > 0  # the frontend and mockers under dynamo serve
     assert summary["server_cpu"]["cpu_ms_per_request"] > 0

@@ -105,7 +105,9 @@ def test_metrics_names_labels_and_buckets(serve_stack: Stack) -> None:
         first = les[: les.index("+Inf") + 1]
         assert [float(x) for x in first[:-1]] == [float(b) for b in bounds], suffix
         count_total = sum(v for name, lab, v in fam if name.endswith("_count"))
-        assert count_total >= 1, suffix
+        # at speedup 0 a short answer can arrive as one chunk: no inter-token gap to observe
+        # (tests/integration/test_frontend_itl.py checks ITL with a timed mocker)
+        assert count_total >= (0 if suffix == "inter_token_latency_seconds" else 1), suffix
 
     assert sum(v for _, _, v in m[f"{P}_output_tokens"]) >= 5 + 5 + 16
     for gauge in ("active_requests", "inflight_requests", "disconnected_clients"):
