@@ -66,7 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_processes(args, mocker_args)
 
 
+def _free_port(host: str) -> int:
+    """A port that is free now (``--http-port 0``), so the banner can show the real one."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
+    if args.http_port == 0:
+        args.http_port = _free_port(args.http_host)
     discovery_dir = tempfile.mkdtemp(prefix="dynamo-serve-")
     env = dict(os.environ)
     env.update(
