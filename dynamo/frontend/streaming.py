@@ -71,14 +71,23 @@ class _Formatter(ABC):
         self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     # -- what differs per API ---------------------------------------------------------------
-    @abstractmethod
+    chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
+
     def _chunk(
         self,
         choices: list[Any],
         *,
         usage: CompletionUsage | None = None,
         nvext: dict[str, object] | None = None,
-    ) -> msgspec.Struct: ...
+    ) -> ChatCompletionChunk | CompletionChunk:
+        return self.chunk_type(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            nvext=nvext,
+        )
 
     @abstractmethod
     def _text_choice(self, index: int, text: str, finish_reason: str | None) -> Any: ...
@@ -127,21 +136,7 @@ class _Formatter(ABC):
 class ChatFormatter(_Formatter):
     """chat.completion.chunk / chat.completion."""
 
-    def _chunk(
-        self,
-        choices: list[Any],
-        *,
-        usage: CompletionUsage | None = None,
-        nvext: dict[str, object] | None = None,
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            nvext=nvext,
-        )
+    chunk_type = ChatCompletionChunk
 
     def _text_choice(self, index: int, text: str, finish_reason: str | None) -> ChatChunkChoice:
         delta = ChatDelta(content=text) if text else ChatDelta()
@@ -177,21 +172,7 @@ class ChatFormatter(_Formatter):
 class CompletionFormatter(_Formatter):
     """text_completion chunks and response (one struct for both)."""
 
-    def _chunk(
-        self,
-        choices: list[Any],
-        *,
-        usage: CompletionUsage | None = None,
-        nvext: dict[str, object] | None = None,
-    ) -> CompletionChunk:
-        return CompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            nvext=nvext,
-        )
+    chunk_type = CompletionChunk
 
     def _text_choice(self, index: int, text: str, finish_reason: str | None) -> CompletionChoice:
         return CompletionChoice(index=index, text=text, finish_reason=finish_reason)
@@ -209,7 +190,7 @@ class CompletionFormatter(_Formatter):
 
     def _unary(
         self, choices: list[Any], u: CompletionUsage, nvext: dict[str, object] | None
-    ) -> CompletionChunk:
+    ) -> msgspec.Struct:
         return self._chunk(choices, usage=u, nvext=nvext)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from abc import ABC, abstractmethod
 from typing import cast
 
 from dynamo.runtime import codec
@@ -23,7 +24,7 @@ def set_nodelay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class FrameWriter(asyncio.BufferedProtocol):
+class FrameWriter(asyncio.BufferedProtocol, ABC):
     """Connection base: reads into one reused buffer (a plain Protocol makes asyncio allocate,
     and for its 256 KiB reads mmap and unmap, a new buffer per ``recv``), hands ``data_received``
     a copy of what arrived; writes are coalesced and flow-controlled."""
@@ -50,8 +51,9 @@ class FrameWriter(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.data_received(bytes(self._rbuf[:nbytes]))
 
+    @abstractmethod
     def data_received(self, data: bytes) -> None:
-        raise NotImplementedError
+        """Handle bytes that arrived (server and client parse frames differently)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but implement its interface.
