@@ -113,9 +113,11 @@ class GenerateHandler:
                     req = _chat_decoder.decode(body)
                 else:
                     req = _completion_decoder.decode(body)
-                model = req.model
                 request_type = "stream" if req.stream else "unary"
                 entry = self._registry.get(req.model)
+                # Only served model names become metric labels: a client naming arbitrary
+                # models must not grow the label set without bound.
+                model = req.model
                 prepared = prepare_request(entry.pipeline.preprocessor, req, engine_id)
             except Exception as exc:
                 self._fail(http, exc, model, endpoint, request_type, id_headers)
