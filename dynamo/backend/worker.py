@@ -174,6 +174,7 @@ class Worker:
 
     async def _start_all(self) -> None:
         await self.runtime.start()
+        self.runtime.on_lease_lost(self.request_shutdown)
         for reg in self._regs:
             reg.engine_config = await reg.engine.start(reg.worker_id)
             if not reg.engine_config.model:

@@ -9,7 +9,9 @@ closes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynamo.runtime.client import EndpointClient
@@ -72,6 +74,8 @@ class DistributedRuntime:
         self._clients: list[EndpointClient] = []
         self._started = False
         self._stopped = False
+        self._lease_watch: asyncio.Task[None] | None = None
+        self._lease_lost_callbacks: list[Callable[[], None]] = []
 
     @property
     def namespace(self) -> str:
@@ -88,8 +92,27 @@ class DistributedRuntime:
         self._started = True
         self._discovery = self._make_discovery()
         self._lease = await self._discovery.grant_lease(self.config.lease_ttl)
+        self._lease_watch = asyncio.create_task(self._watch_lease(), name="runtime-lease-watch")
         self._events = self._make_event_plane()
         await self._events.start()
+
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` if the primary lease is lost (keepalive failed past the TTL):
+        every key of this process is gone from discovery, so its owner should shut down (as the
+        reference runtime does) rather than run on unseen."""
+        self._lease_lost_callbacks.append(callback)
+
+    async def _watch_lease(self) -> None:
+        lease = self._lease
+        assert lease is not None
+        interval = max(0.05, self.config.lease_ttl / 3)
+        while lease.is_alive():
+            await asyncio.sleep(interval)
+        if self._stopped:
+            return
+        log.error("discovery lease %x lost: this process's registrations are gone", lease.id)
+        for callback in self._lease_lost_callbacks:
+            callback()
 
     async def shutdown(self) -> None:
         """Tear everything down in reverse order (idempotent)."""
@@ -97,6 +120,9 @@ class DistributedRuntime:
             self._stopped = True
             return
         self._stopped = True
+        if self._lease_watch is not None:
+            self._lease_watch.cancel()
+            await asyncio.gather(self._lease_watch, return_exceptions=True)
         for served in list(self._served.values()):
             await self.unserve(served)
         if self._server is not None:
