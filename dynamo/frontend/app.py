@@ -144,6 +144,7 @@ class FrontendService:
             max_inflight=config.max_inflight,
             body_limit=config.body_limit_bytes,
             overload_status=config.overload_status,
+            namespace=config.runtime.namespace,
         )
         self.routes = Routes(
             self.registry, self.metrics, self.generate, overload_status=config.overload_status
@@ -179,14 +180,15 @@ class FrontendService:
         if added and entry.cards:
             card = entry.any_card
             role = card.role.value
-            m.model_context_length.labels(entry.name, role).set(card.context_length)
-            m.model_kv_cache_block_size.labels(entry.name, role).set(card.kv_block_size)
+            ns = card.namespace
+            m.model_context_length.labels(entry.name, ns, role).set(card.context_length)
+            m.model_kv_cache_block_size.labels(entry.name, ns, role).set(card.kv_block_size)
             total = sum(c.total_kv_blocks or 0 for c in entry.cards.values())
-            m.model_total_kv_blocks.labels(entry.name, role).set(total)
+            m.model_total_kv_blocks.labels(entry.name, ns, role).set(total)
             if card.max_num_seqs is not None:
-                m.model_max_num_seqs.labels(entry.name, role).set(card.max_num_seqs)
+                m.model_max_num_seqs.labels(entry.name, ns, role).set(card.max_num_seqs)
             if card.max_num_batched_tokens is not None:
-                m.model_max_num_batched_tokens.labels(entry.name, role).set(
+                m.model_max_num_batched_tokens.labels(entry.name, ns, role).set(
                     card.max_num_batched_tokens
                 )
 

@@ -52,12 +52,14 @@ class GenerateHandler:
         max_inflight: int,
         body_limit: int,
         overload_status: int,
+        namespace: str = "dynamo",
     ) -> None:
         self._registry = registry
         self._m = metrics
         self._max_inflight = max_inflight
         self._body_limit = body_limit
         self._overload_status = overload_status
+        self.namespace = namespace
         self.inflight = 0
         self.draining = False
         self._contexts: set[Context] = set()
@@ -334,9 +336,10 @@ class GenerateHandler:
         m = self._m
         m.requests.labels(model, endpoint, request_type, status, error_type).inc()
         m.request_duration.labels(model).observe(time.monotonic() - started)
-        m.input_tokens.labels(model).observe(stats.prompt_tokens)
+        ns = self.namespace
+        m.input_tokens.labels(model, ns).observe(stats.prompt_tokens)
         m.output_tokens.labels(model).observe(stats.completion_tokens)
-        m.output_tokens_total.labels(model).inc(stats.completion_tokens)
+        m.output_tokens_total.labels(model, ns).inc(stats.completion_tokens)
         first = stats.first_token_at
         if first is not None:
             m.ttft.labels(model).observe(first - started)

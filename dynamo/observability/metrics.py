@@ -54,7 +54,7 @@ class FrontendMetrics:
         self.input_tokens = Histogram(
             f"{p}_input_sequence_tokens",
             "Prompt length",
-            ["model"],
+            ["model", "dynamo_namespace"],
             registry=r,
             buckets=env_buckets("INPUT_SEQUENCE", 50, 128000, 12),
         )
@@ -80,7 +80,7 @@ class FrontendMetrics:
             buckets=env_buckets("ITL", 0.001, 2, 13),
         )
         self.output_tokens_total = Counter(
-            f"{p}_output_tokens", "Generated tokens", ["model"], registry=r
+            f"{p}_output_tokens", "Generated tokens", ["model", "dynamo_namespace"], registry=r
         )
         self.cached_tokens = Histogram(
             f"{p}_cached_tokens",
@@ -89,7 +89,7 @@ class FrontendMetrics:
             registry=r,
             buckets=env_buckets("INPUT_SEQUENCE", 50, 128000, 12),
         )
-        card_labels = ["model", "worker_type"]
+        card_labels = ["model", "dynamo_namespace", "worker_type"]
         self.model_total_kv_blocks = Gauge(
             f"{p}_model_total_kv_blocks", "KV blocks", card_labels, registry=r
         )
