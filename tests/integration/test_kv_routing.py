@@ -163,3 +163,32 @@ async def test_all_workers_busy_is_overload(stack: Stack) -> None:
         "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}
     )
     assert ok.status_code == 200, ok.text
+
+
+async def test_approximate_mode_routes_by_its_own_decisions(stack: Stack) -> None:
+    for _ in range(3):
+        await stack.add_worker(*MOCKER)
+    await stack.start_frontend(router_mode="kv", kv=KVRouterSettings(use_kv_events=False))
+    await stack.wait_for_model(instances=3)
+    owner = (await chat(stack, prompt(3, 0)))["nvext"]["worker_id"]["decode_worker_id"]
+    for unique in range(1, 4):
+        body = await chat(stack, prompt(3, unique))
+        assert body["nvext"]["worker_id"]["decode_worker_id"] == owner
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert stack.frontend is not None
+    router = stack.frontend.registry.get("demo").pipeline.router
+    assert isinstance(router, KVRouter) and router.indexer is None and router.approx is not None
+    router.approx.check_invariants()
+
+
+async def test_router_metrics_are_exposed(stack: Stack) -> None:
+    await stack.add_worker(*MOCKER)
+    client = await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model()
+    await chat(stack, prompt(1, 0))
+    await asyncio.sleep(0.1)  # the request's KV events reach the router
+    await chat(stack, prompt(1, 1))
+    text = (await client.get("/metrics")).text
+    assert "dynamo_router_overhead_total_seconds_count" in text
+    assert "dynamo_router_kv_hit_rate_bucket" in text
+    assert 'dynamo_component_kv_cache_events_applied_total{event_type="kv",status="ok"}' in text
