@@ -23,6 +23,9 @@ from dynamo.observability.metrics import RouterMetrics
 from dynamo.protocol.kv_events import (
     KV_EVENTS_TOPIC,
     RECOVERY_ENDPOINT,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
     KVRecoveryResponse,
 )
 from dynamo.protocol.kv_wire import decode_batch
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 MAX_RECOVERY_ATTEMPTS = 3
 
 _recovery_decoder = msgspec.msgpack.Decoder(KVRecoveryResponse)
+_EVENT_TYPE = {BlocksStored: "stored", BlocksRemoved: "removed", AllBlocksCleared: "cleared"}
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -271,18 +275,13 @@ class KVRouter:
                 continue
             if batch is None or batch.worker_id not in self._workers:
                 continue  # another model's worker, or one we have not met yet (recovered then)
-            before = dict(indexer.counters) if self._metrics is not None else None
-            for worker_id, rank in indexer.apply_batch(batch):
-                self._spawn_recovery(worker_id, rank)
-            if before is not None:
-                self._count_events(before)
-
-    def _count_events(self, before: dict[EventStatus, int]) -> None:
-        assert self.indexer is not None and self._metrics is not None
-        for status, count in self.indexer.counters.items():
-            delta = count - before.get(status, 0)
-            if delta:
-                self._metrics.events_applied.labels(status.value, "kv").inc(delta)
+            applied = self._metrics.events_applied if self._metrics is not None else None
+            for event in batch.events:
+                status = indexer.apply(batch.worker_id, event)
+                if status is EventStatus.GAP:
+                    self._spawn_recovery(batch.worker_id, event.dp_rank)
+                if applied is not None:
+                    applied.labels(status.value, _EVENT_TYPE[type(event.data)]).inc()
 
     def _spawn_recovery(self, worker_id: int, rank: int) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -191,4 +191,4 @@ async def test_router_metrics_are_exposed(stack: Stack) -> None:
     text = (await client.get("/metrics")).text
     assert "dynamo_router_overhead_total_seconds_count" in text
     assert "dynamo_router_kv_hit_rate_bucket" in text
-    assert 'dynamo_component_kv_cache_events_applied_total{event_type="kv",status="ok"}' in text
+    assert 'dynamo_component_kv_cache_events_applied_total{event_type="stored",status="ok"}' in text
