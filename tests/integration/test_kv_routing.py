@@ -192,3 +192,25 @@ async def test_router_metrics_are_exposed(stack: Stack) -> None:
     assert "dynamo_router_overhead_total_seconds_count" in text
     assert "dynamo_router_kv_hit_rate_bucket" in text
     assert 'dynamo_component_kv_cache_events_applied_total{event_type="stored",status="ok"}' in text
+
+
+async def test_dp_ranks_are_routing_targets(stack: Stack) -> None:
+    await stack.add_worker(*MOCKER, "--data-parallel-size", "2")
+    client = await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model()
+    for group, rank in ((5, 0), (6, 1)):  # seed each rank's cache through the dp_rank hint
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "demo",
+                "messages": [{"role": "user", "content": prompt(group, 0)}],
+                "max_tokens": 4,
+                "nvext": {"dp_rank": rank, "extra_fields": ["worker_id"]},
+            },
+        )
+        assert r.json()["nvext"]["worker_id"]["decode_dp_rank"] == rank
+    await asyncio.sleep(0.05)  # KV events of both ranks reach the router
+    for group, rank in ((5, 0), (6, 1)):  # no hint: the rank holding the prefix wins
+        body = await chat(stack, prompt(group, 1))
+        assert body["nvext"]["worker_id"]["decode_dp_rank"] == rank
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
