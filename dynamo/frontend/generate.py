@@ -156,7 +156,6 @@ class GenerateHandler:
         finally:
             self.inflight -= 1
 
-    # -- preprocessing -----------------------------------------------------------------------
     # -- streaming ---------------------------------------------------------------------------
     async def _stream(
         self,

@@ -215,7 +215,9 @@ async def iterate_batches(inbox: Inbox) -> AsyncGenerator[list[bytes], None]:
     """Like :func:`iterate`, but yield every body already received at once (never empty).
 
     A consumer that falls behind then handles a burst in one go (one decode loop, one write to
-    its own client) instead of paying per-item overhead for each body.
+    its own client) instead of paying per-item overhead for each body. Not built on top of
+    :func:`iterate` or the other way round: credit goes back as bodies are *taken*, so each
+    keeps its own granularity of backpressure (per body there, per burst here).
     """
     await inbox.open()
     try:
