@@ -19,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 from dynamo.protocol.kv_events import BlocksStored, KVCacheEvent, KVEventBatch, StoredBlock
+from dynamo.protocol.kv_wire import decode_batch, encode_batch
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 
@@ -94,12 +93,13 @@ def run_once(
     t3 = time.perf_counter()
     if matched != len(queries) * SEQ_BLOCKS:
         raise RuntimeError("a query did not match its full sequence")
-    # the router's real path: msgpack batch off the event plane -> decode -> apply
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    # the router's real path: a kv-events message (FACTS §2.1 wire shape) -> decode -> apply
     index2 = KVIndexer()
     t4 = time.perf_counter()
     for _, payload in wire:
-        index2.apply_batch(decoder.decode(payload))
+        batch = decode_batch(payload)
+        assert batch is not None
+        index2.apply_batch(batch)
     t5 = time.perf_counter()
     return {
         "store_us_per_block": (t1 - t0) / total_blocks * 1e6,
@@ -123,8 +123,7 @@ def main() -> None:
     arrival, sequences, total = build(args.workers, args.blocks, args.seed)
     rng = random.Random(args.seed + 1)
     queries = [rng.choice(sequences) for _ in range(args.queries)]
-    encoder = msgspec.msgpack.Encoder()
-    wire = [(w, encoder.encode(KVEventBatch(worker_id=w, events=[ev]))) for w, ev in arrival]
+    wire = [(w, encode_batch(KVEventBatch(worker_id=w, events=[ev]))) for w, ev in arrival]
     runs = [run_once(arrival, wire, queries, total) for _ in range(args.reps)]
 
     def summary(name: str) -> dict[str, float]:

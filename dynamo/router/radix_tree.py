@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
+from operator import attrgetter
 from typing import Protocol
 
 from dynamo.protocol.kv_events import BlocksStored, StoredBlock
 from dynamo.router.radix_run import Lookups, Run, common_prefix, index_of
+
+_BLOCK_ID = attrgetter("block_hash")
+_TOKENS_HASH = attrgetter("tokens_hash")
 
 
 class BlockLike(Protocol):
@@ -70,7 +74,7 @@ class RadixTree:
     def store(self, slot: int, parent_hash: int | None, blocks: Sequence[BlockLike]) -> bool:
         """Add a chain of blocks under ``parent_hash`` (an id the slot holds; None: the root)."""
         return self.store_hashes(
-            slot, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks]
+            slot, parent_hash, list(map(_BLOCK_ID, blocks)), list(map(_TOKENS_HASH, blocks))
         )
 
     def store_hashes(
