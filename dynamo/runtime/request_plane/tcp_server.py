@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from dynamo.runtime import codec
 from dynamo.runtime.codec import FrameError
@@ -104,6 +105,10 @@ class _ServerConnection(FrameWriter):
             message = f"endpoint {header.endpoint!r} is not served at {server.address}"
             self.write(codec.error_frame(sid, "NoInstances", message))
             return
+        if server._inflight >= server.max_inflight:
+            message = f"{server._inflight} requests in flight at {server.address}; retry later"
+            self.write(codec.error_frame(sid, "Overloaded", message))
+            return
         window = min(max(header.window, 1), codec.MAX_ARG)
         stream = _ServerStream(self, sid, Context(header.request_id or None), window)
         self.streams[sid] = stream
@@ -155,11 +160,19 @@ class TCPRequestPlaneServer:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, max_frame_size: int | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_frame_size: int | None = None,
+        max_inflight: int | None = None,
     ) -> None:
+        """``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
+        running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks."""
         self.host = host
         self.port = port
         self.max_frame_size = max_frame_size or codec.default_max_frame_size()
+        self.max_inflight = max_inflight or int(os.environ.get("DYN_TCP_MAX_INFLIGHT", "16384"))
         self._handlers: dict[str, Handler] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
