@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,13 +122,15 @@ class Worker:
         """Start, serve until shutdown is requested, then shut down in order."""
         loop = asyncio.get_running_loop()
         installed: list[signal.Signals] = []
-        if self.config.install_signal_handlers:
+        # Signal handlers can only be installed from the main thread (a worker run inside
+        # another program's thread leaves signals to that program).
+        if (
+            self.config.install_signal_handlers
+            and threading.current_thread() is threading.main_thread()
+        ):
             for sig in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(sig, self.request_shutdown)
-                    installed.append(sig)
-                except (NotImplementedError, RuntimeError):  # not the main thread
-                    pass
+                loop.add_signal_handler(sig, self.request_shutdown)
+                installed.append(sig)
         try:
             await self._start_status_server()
             if await self._start_or_abandon():
