@@ -6,84 +6,13 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.e2e.processes import REPO, Child, free_port
+
 DEMO_MODEL = str(REPO / "dynamo" / "models" / "demo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class Child:
-    """A child process whose output lines are collected by a reader thread."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.args = args
-        self.popen = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # a SIGINT to pytest does not reach it twice
-        )
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-
-    def wait_for(self, fragment: str, timeout: float = 30.0) -> str:
-        with self._cond:
-            self._cond.wait_for(
-                lambda: any(fragment in x for x in self.lines) or self.popen.poll() is not None,
-                timeout,
-            )
-            for line in self.lines:
-                if fragment in line:
-                    return line
-        raise AssertionError(f"no line with {fragment!r} (rc={self.popen.poll()}):\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        with self._cond:
-            return "\n".join(self.lines[-n:])
-
-    def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._reader.join(timeout=5)
-        if self.popen.stdout is not None and not self._reader.is_alive():
-            self.popen.stdout.close()
-        return self.popen.returncode
 
 
 def child_env(discovery_dir: str | None = None, **extra: str) -> dict[str, str]:

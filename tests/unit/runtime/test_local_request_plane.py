@@ -22,53 +22,7 @@ from dynamo.runtime.request_plane.local import (
     LocalRequestPlaneClient,
     LocalRequestPlaneServer,
 )
-
-EP = "ns.comp.generate"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.contexts: list[Context] = []
-        self.produced = 0
-        self.closed = 0
-
-    async def count(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        for i in range(int(body)):
-            yield b"%d" % i
-            if i % 7 == 0:
-                await asyncio.sleep(0)
-
-    async def until_stopped(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        self.contexts.append(ctx)
-        try:
-            while not ctx.is_stopped():
-                self.produced += 1
-                yield b"tok"
-                await asyncio.sleep(0.005)
-            yield b"killed" if ctx.is_killed() else b"cancelled"
-        finally:
-            self.closed += 1
-
-    async def flood(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        self.contexts.append(ctx)
-        try:
-            while not ctx.is_stopped():
-                self.produced += 1
-                yield b"x"
-        finally:
-            self.closed += 1
-
-    async def failing(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        yield b"partial"
-        raise InvalidArgument("temperature must be >= 0")
-
-    async def crashing(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        yield b"partial"
-        raise ValueError("boom")
-
-    async def not_bytes(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        yield bytearray(b"ok")  # type: ignore[misc]
-        yield "text"  # type: ignore[misc]
+from tests.unit.runtime.plane_handlers import EP, Recorder
 
 
 @pytest.fixture

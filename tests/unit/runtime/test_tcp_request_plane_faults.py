@@ -24,31 +24,7 @@ from dynamo.runtime.request_plane.tcp import (
     TCPRequestPlaneServer,
     parse_address,
 )
-
-EP = "ns.comp.generate"
-
-
-class Recorder:
-    """Server-side observations: the handler's contexts, how far it got, whether it finished."""
-
-    def __init__(self) -> None:
-        self.contexts: list[Context] = []
-        self.closed = 0
-
-    async def count(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        for i in range(int(body)):
-            yield b"%d" % i
-
-    async def until_stopped(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        """Streams until its context stops, then emits a 'cancelled' terminal (like an engine)."""
-        self.contexts.append(ctx)
-        try:
-            while not ctx.is_stopped():
-                yield b"tok"
-                await asyncio.sleep(0.005)
-            yield b"killed" if ctx.is_killed() else b"cancelled"
-        finally:
-            self.closed += 1
+from tests.unit.runtime.plane_handlers import EP, Recorder
 
 
 @pytest.fixture

@@ -1,0 +1,61 @@
+"""Request-plane handlers for the local and TCP plane tests, with server-side observations."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import InvalidArgument
+
+EP = "ns.comp.generate"
+
+
+class Recorder:
+    """Server-side observations: the handler's contexts, how far it got, whether it finished."""
+
+    def __init__(self) -> None:
+        self.contexts: list[Context] = []
+        self.produced = 0
+        self.closed = 0
+
+    async def count(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        """``int(body)`` bodies, letting other streams run now and then."""
+        for i in range(int(body)):
+            yield b"%d" % i
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+
+    async def until_stopped(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        """Streams until its context stops, then emits a 'cancelled' terminal (like an engine)."""
+        self.contexts.append(ctx)
+        try:
+            while not ctx.is_stopped():
+                self.produced += 1
+                yield b"tok"
+                await asyncio.sleep(0.005)
+            yield b"killed" if ctx.is_killed() else b"cancelled"
+        finally:
+            self.closed += 1
+
+    async def flood(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        """Never sleeps: only backpressure can hold it."""
+        self.contexts.append(ctx)
+        try:
+            while not ctx.is_stopped():
+                self.produced += 1
+                yield b"x" * 100
+        finally:
+            self.closed += 1
+
+    async def failing(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        yield b"partial"
+        raise InvalidArgument("temperature must be >= 0")
+
+    async def crashing(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        yield b"partial"
+        raise ValueError("boom")
+
+    async def not_bytes(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        yield bytearray(b"ok")  # type: ignore[misc]
+        yield "text"  # type: ignore[misc]
