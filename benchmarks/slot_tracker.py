@@ -214,6 +214,8 @@ def run_all(services: list[Service], args: argparse.Namespace, tmp: Path) -> dic
         _prepare(svc, shared, args.workers, args.preload)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.label: {} for s in services}
     for name, script in scripts.items():
+        if name not in args.scenarios:
+            continue
         path = "/potential_loads" if name == "potential_loads" else "/"
         for svc in services:
             _wrk(svc.url + path, script, args, args.warmup, svc.proc.pid)
@@ -242,6 +244,12 @@ def main() -> int:
     parser.add_argument("--preload", type=int, default=256, help="requests active beforehand")
     parser.add_argument("--lag", type=int, default=64, help="free the request added LAG adds ago")
     parser.add_argument("--reference-python", default=None)
+    parser.add_argument(
+        "--scenarios",
+        default="potential_loads,add_free",
+        type=lambda text: text.split(","),
+        help="comma-separated subset of potential_loads,add_free",
+    )
     parser.add_argument("--output", default="bench-results/slot_tracker.json")
     args = parser.parse_args()
     if args.hashes < 16:

@@ -6,7 +6,6 @@ in-process state: no I/O, no locks; one owner (a task or a handler) calls it.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -14,10 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-# Counter.update's helper (C in CPython): mapping[item] += 1 for each item, at C speed.
-_count_elements: Callable[[dict[int, int], Iterable[int]], None] = getattr(  # noqa: B009
-    collections, "_count_elements"
-)
+from dynamo.router._blocks import BlockCounts
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +74,32 @@ class LoadProjection(msgspec.Struct, gc=False):
     active_requests: int
 
 
+_U64_MASK = (1 << 64) - 1
+
+
+def _query(sequence_hashes: Iterable[int] | BlockCounts) -> BlockCounts:
+    """The query's distinct blocks, in the form the per-rank tables are probed with."""
+    if isinstance(sequence_hashes, BlockCounts):
+        return sequence_hashes
+    return BlockCounts(sequence_hashes)
+
+
+def _length(sequence_hashes: Iterable[int] | BlockCounts) -> int:
+    """Blocks in the request, repeats included (no reuse: each block is its own)."""
+    if isinstance(sequence_hashes, BlockCounts):
+        return sum(count for _, count in sequence_hashes.items())
+    if isinstance(sequence_hashes, Collection):
+        return len(sequence_hashes)
+    return sum(1 for _ in sequence_hashes)
+
+
 @dataclass(slots=True, eq=False)
 class _Rank:
     worker_id: int
     dp_rank: int
-    # Unique active block hash -> number of active requests holding it.
-    blocks: dict[int, int] = field(default_factory=dict)
+    # Unique active block hash -> number of active requests holding it (native: the projection
+    # probes it for every query block of every routing decision).
+    blocks: BlockCounts = field(default_factory=BlockCounts)
     # Blocks that are never shared (assume_kv_reuse=False): counted, not materialised.
     private_blocks: int = 0
     prefill_tokens: int = 0
@@ -234,7 +250,7 @@ class ActiveSequences:
             prefill = 0
         if self._assume_kv_reuse:
             hashes = tuple(sequence_hashes)
-            _count_elements(rank.blocks, hashes)
+            rank.blocks.add(hashes)
             private = 0
         else:
             hashes = ()
@@ -269,13 +285,8 @@ class ActiveSequences:
         rank.prefill_tokens -= req.prefill_tokens
         rank.num_requests -= 1
         rank.private_blocks -= req.private_blocks
-        blocks = rank.blocks
-        for block in req.hashes:
-            count = blocks[block]
-            if count == 1:
-                del blocks[block]
-            else:
-                blocks[block] = count - 1
+        if req.hashes:
+            rank.blocks.remove(req.hashes)
         return True
 
     def expire_stale(self, now: float | None = None) -> list[str]:
@@ -298,32 +309,29 @@ class ActiveSequences:
     # ----------------------------------------------------------------- queries
 
     def potential_loads(
-        self, sequence_hashes: Collection[int], new_isl_tokens: int = 0
+        self, sequence_hashes: Iterable[int] | BlockCounts, new_isl_tokens: int = 0
     ) -> list[PotentialLoad]:
         """Each tracked rank's load if a request with these blocks and tokens were added there.
 
         Read-only. One entry per rank, in the order the ranks were added. A block repeated in
-        ``sequence_hashes`` counts once (a set may be passed directly).
+        ``sequence_hashes`` counts once (a prepared ``BlockCounts`` may be passed directly).
         """
         load = PotentialLoad
+        query = _query(sequence_hashes)
+        num_query = len(query) if self._assume_kv_reuse else _length(sequence_hashes)
         if self._assume_kv_reuse:
-            query = sequence_hashes if isinstance(sequence_hashes, set) else set(sequence_hashes)
-            num_query = len(query)
-            # set.difference(dict) probes the dict with the set's cached hashes, in C.
-            difference = query.difference
             return [
                 load(
                     rank.worker_id,
                     rank.dp_rank,
                     rank.prefill_tokens + new_isl_tokens,
-                    len(blocks) + rank.private_blocks + len(difference(blocks))
+                    len(blocks) + rank.private_blocks + blocks.count_absent(query)
                     if (blocks := rank.blocks)
                     else rank.private_blocks + num_query,
                     rank.num_requests,
                 )
                 for rank in self._rank_list
             ]
-        num_query = len(sequence_hashes)
         return [
             load(
                 rank.worker_id,
@@ -335,7 +343,7 @@ class ActiveSequences:
             for rank in self._rank_list
         ]
 
-    def project_loads(self, sequence_hashes: Collection[int]) -> list[LoadProjection]:
+    def project_loads(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[LoadProjection]:
         """Each tracked rank's load, split as the router's cost needs it. Read-only.
 
         Same numbers as ``potential_loads`` without the new request's prefill tokens:
@@ -343,20 +351,19 @@ class ActiveSequences:
         """
         proj = LoadProjection
         if self._assume_kv_reuse:
-            query = sequence_hashes if isinstance(sequence_hashes, set) else set(sequence_hashes)
-            difference = query.difference
+            query = _query(sequence_hashes)
             return [
                 proj(
                     rank.worker_id,
                     rank.dp_rank,
                     rank.prefill_tokens,
                     len(rank.blocks) + rank.private_blocks,
-                    len(difference(rank.blocks)),
+                    rank.blocks.count_absent(query),
                     rank.num_requests,
                 )
                 for rank in self._rank_list
             ]
-        num_query = len(sequence_hashes)
+        num_query = _length(sequence_hashes)
         return [
             proj(
                 rank.worker_id,
@@ -439,6 +446,7 @@ class ActiveSequences:
                 raise AssertionError(f"request {request_id!r} has bad counters")
             blocks, prefill, private, count = expected[id(req.rank)]
             for block in req.hashes:
+                block &= _U64_MASK  # the tables hold the unsigned form
                 blocks[block] = blocks.get(block, 0) + 1
             expected[id(req.rank)] = (
                 blocks,
@@ -448,7 +456,8 @@ class ActiveSequences:
             )
         for rank in self._rank_list:
             blocks, prefill, private, count = expected[id(rank)]
-            actual = (rank.blocks, rank.prefill_tokens, rank.private_blocks, rank.num_requests)
+            held = dict(rank.blocks.items())
+            actual = (held, rank.prefill_tokens, rank.private_blocks, rank.num_requests)
             if actual != (blocks, prefill, private, count):
                 raise AssertionError(
                     f"rank {(rank.worker_id, rank.dp_rank)}: state {actual[1:]} with "

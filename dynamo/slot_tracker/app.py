@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
+from dynamo.router._blocks import BlockCounts
 from dynamo.slot_tracker.registry import Registry, TrackerError
 from dynamo.slot_tracker.replica import PeerError, ReplicaSync
 
@@ -63,9 +64,11 @@ class LifecycleBody(msgspec.Struct):
     tenant_id: str = "default"
 
 
-class PotentialLoadsBody(msgspec.Struct):
+class PotentialLoadsBody(msgspec.Struct, gc=False):
     model_name: str
-    sequence_hashes: set[I64]  # decoded straight into the set the projection needs
+    # Left raw by msgspec and parsed by BlockCounts.from_json straight into the table the
+    # projection probes: no int objects, no tuple (the hot path of the projection endpoint).
+    sequence_hashes: msgspec.Raw
     tenant_id: str = "default"
     new_isl_tokens: U64 = 0
 
@@ -109,6 +112,13 @@ def _check_json(content_type: bytes | None) -> None:
 def _check_u64(value: int, name: str) -> None:
     if value > U64_MAX:
         raise msgspec.ValidationError(f"Expected `int` <= {U64_MAX} - at `$.{name}`")
+
+
+def _at_field(message: str, field: str) -> str:
+    """Root a parser message's location (``- at `[3]```) at a body field, as msgspec does."""
+    if " - at `" in message:
+        return message.replace(" - at `", f" - at `$.{field}", 1)
+    return f"{message} - at `$.{field}`"
 
 
 def _filters(query: bytes) -> tuple[str | None, str | None]:
@@ -243,9 +253,14 @@ class SlotTrackerApp:
         if content_type != _JSON:
             _check_json(content_type)
         req = self._potential(body)
-        _check_u64(req.new_isl_tokens, "new_isl_tokens")
+        if req.new_isl_tokens > U64_MAX:
+            _check_u64(req.new_isl_tokens, "new_isl_tokens")
+        try:
+            blocks = BlockCounts.from_json(req.sequence_hashes)
+        except ValueError as exc:
+            raise msgspec.ValidationError(_at_field(str(exc), "sequence_hashes")) from None
         loads = self._registry.potential_loads(
-            (req.model_name, req.tenant_id), req.sequence_hashes, req.new_isl_tokens
+            (req.model_name, req.tenant_id), blocks, req.new_isl_tokens
         )
         return 200, _encode(loads)
 

@@ -7,11 +7,12 @@ replica events from peers are applied through ``apply_replica`` (never creating 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
+from dynamo.router._blocks import BlockCounts
 from dynamo.router.sequences import (
     DEFAULT_EXPIRY_S,
     ActiveSequences,
@@ -256,7 +257,7 @@ class Registry:
         return out
 
     def potential_loads(
-        self, key: TrackerKey, sequence_hashes: Collection[int], new_isl_tokens: int
+        self, key: TrackerKey, sequence_hashes: Iterable[int] | BlockCounts, new_isl_tokens: int
     ) -> list[PotentialLoad]:
         tracker = self._trackers.get(key)
         if tracker is None:

@@ -191,7 +191,7 @@ def test_check_invariants_detects_corruption() -> None:
     seqs = make()
     seqs.add_request("a", 7, 0, [1, 2], new_isl_tokens=4)
     seqs.check_invariants()
-    seqs._ranks[(7, 0)].blocks[1] += 1  # simulate a bookkeeping bug
+    seqs._ranks[(7, 0)].blocks.add([1])  # simulate a bookkeeping bug
     with pytest.raises(AssertionError):
         seqs.check_invariants()
 

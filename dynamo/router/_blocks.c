@@ -1,0 +1,659 @@
+/*
+ * dynamo.router._blocks: BlockCounts, a refcounted multiset of 64-bit block hashes.
+ *
+ * Why native: ActiveSequences keeps one such multiset per (worker, dp_rank) and the load
+ * projection asks each of them "how many of these query blocks are absent?" on every routing
+ * decision (and on every POST /potential_loads of the slot tracker). With Python dicts each probe
+ * chases pointers (index -> entry -> int object); in a live server, with the network stack
+ * evicting caches between requests, that projection cost 3-4x its hot-loop figure and dominated
+ * the request. Here keys and counts sit inline in one open-addressing array: a probe is one
+ * cache line.
+ *
+ * Keys: Python ints in the signed or the unsigned 64-bit range, stored as their 64-bit pattern,
+ * so -1 and 2**64 - 1 are the same block (the slot tracker receives signed values, the router
+ * computes unsigned ones). items() returns the unsigned form.
+ *
+ * Table: linear probing, load factor at most 1/2, deletion by backward shift (no tombstones).
+ * Slots are placed by a seeded mix of the key (a per-process random seed), so a client cannot
+ * choose hashes that collide.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    uint64_t key;
+    uint64_t count; /* 0: the slot is empty */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t mask; /* capacity - 1; capacity is a power of two */
+    Py_ssize_t used;
+} BlockCounts;
+
+#define MIN_CAPACITY 16
+
+static uint64_t mix_seed;
+
+static inline size_t
+slot_of(uint64_t key, size_t mask)
+{
+    /* splitmix64's finaliser over the seeded key: every key bit reaches the low bits. */
+    uint64_t x = key ^ mix_seed;
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return (size_t)x & mask;
+}
+
+/* The index of the slot holding key, or of the empty slot where it would go. */
+static inline size_t
+find(const BlockCounts *t, uint64_t key)
+{
+    size_t i = slot_of(key, t->mask);
+    for (;;) {
+        const Slot *s = &t->slots[i];
+        if (s->count == 0 || s->key == key) {
+            return i;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+static int
+as_key(PyObject *obj, uint64_t *out)
+{
+    int overflow;
+    long long value;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "block hashes must be int, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow == 0) {
+        if (value == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        *out = (uint64_t)value;
+        return 0;
+    }
+    if (overflow > 0) {
+        unsigned long long uvalue = PyLong_AsUnsignedLongLong(obj);
+        if (uvalue == (unsigned long long)-1 && PyErr_Occurred()) {
+            goto out_of_range;
+        }
+        *out = (uint64_t)uvalue;
+        return 0;
+    }
+out_of_range:
+    PyErr_Clear();
+    PyErr_SetString(PyExc_OverflowError,
+                    "block hash outside the signed and unsigned 64-bit ranges");
+    return -1;
+}
+
+static int
+resize(BlockCounts *t, size_t capacity)
+{
+    Slot *old = t->slots;
+    size_t old_capacity = old == NULL ? 0 : t->mask + 1;
+    Slot *fresh = PyMem_Calloc(capacity, sizeof(Slot));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->slots = fresh;
+    t->mask = capacity - 1;
+    for (size_t i = 0; i < old_capacity; i++) {
+        if (old[i].count != 0) {
+            fresh[find(t, old[i].key)] = old[i];
+        }
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Add n to key's count, inserting it when absent. */
+static inline int
+increment(BlockCounts *t, uint64_t key, uint64_t n)
+{
+    size_t i = find(t, key);
+    if (t->slots[i].count != 0) {
+        t->slots[i].count += n;
+        return 0;
+    }
+    if ((size_t)(t->used + 1) * 2 > t->mask + 1) {
+        if (resize(t, (t->mask + 1) * 2) < 0) {
+            return -1;
+        }
+        i = find(t, key);
+    }
+    t->slots[i].key = key;
+    t->slots[i].count = n;
+    t->used++;
+    return 0;
+}
+
+/* Empty slot i and shift later entries of its probe run back into the hole. */
+static void
+erase(BlockCounts *t, size_t i)
+{
+    size_t mask = t->mask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (t->slots[j].count == 0) {
+            break;
+        }
+        size_t home = slot_of(t->slots[j].key, mask);
+        /* The hole lies on the entry's probe path from home to j: move the entry into it. */
+        if (((i - home) & mask) < ((j - home) & mask)) {
+            t->slots[i] = t->slots[j];
+            i = j;
+        }
+    }
+    t->slots[i].count = 0;
+    t->slots[i].key = 0;
+    t->used--;
+}
+
+static int
+shrink_if_sparse(BlockCounts *t)
+{
+    size_t capacity = t->mask + 1;
+    if (capacity > MIN_CAPACITY && (size_t)t->used * 8 < capacity) {
+        size_t target = MIN_CAPACITY; /* the smallest that leaves the load at 1/4 or less */
+        while (target < (size_t)t->used * 4) {
+            target *= 2;
+        }
+        return resize(t, target);
+    }
+    return 0;
+}
+
+/* Apply fn to each int of an iterable (tuple and list without an iterator). */
+typedef int (*KeyFn)(BlockCounts *, uint64_t);
+
+static int
+for_each_key(BlockCounts *t, PyObject *iterable, KeyFn fn)
+{
+    uint64_t key;
+    if (PyTuple_CheckExact(iterable) || PyList_CheckExact(iterable)) {
+        PyObject *seq = iterable;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            /* A list may shrink under us only through Python code; none runs here. */
+            if (as_key(PySequence_Fast_GET_ITEM(seq, k), &key) < 0 || fn(t, key) < 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(iterable);
+    if (it == NULL) {
+        return -1;
+    }
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        int rc = as_key(item, &key);
+        Py_DECREF(item);
+        if (rc < 0 || fn(t, key) < 0) {
+            Py_DECREF(it);
+            return -1;
+        }
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int
+add_one(BlockCounts *t, uint64_t key)
+{
+    return increment(t, key, 1);
+}
+
+static int
+remove_one(BlockCounts *t, uint64_t key)
+{
+    size_t i = find(t, key);
+    if (t->slots[i].count == 0) {
+        PyObject *missing = PyLong_FromUnsignedLongLong(key);
+        if (missing != NULL) {
+            PyErr_SetObject(PyExc_KeyError, missing);
+            Py_DECREF(missing);
+        }
+        return -1;
+    }
+    if (--t->slots[i].count == 0) {
+        erase(t, i);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the Python type */
+
+static PyTypeObject BlockCountsType;
+
+static PyObject *
+BlockCounts_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    BlockCounts *self = (BlockCounts *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->slots = NULL;
+    self->used = 0;
+    if (resize(self, MIN_CAPACITY) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+BlockCounts_init(BlockCounts *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"hashes", NULL};
+    PyObject *hashes = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:BlockCounts", kwlist, &hashes)) {
+        return -1;
+    }
+    if (hashes == NULL) {
+        return 0;
+    }
+    if ((PyTuple_CheckExact(hashes) || PyList_CheckExact(hashes)) && self->used == 0) {
+        /* Size the table once for the sequence instead of growing it step by step. */
+        size_t capacity = MIN_CAPACITY;
+        while (capacity < (size_t)PySequence_Fast_GET_SIZE(hashes) * 2) {
+            capacity *= 2;
+        }
+        if (capacity > self->mask + 1 && resize(self, capacity) < 0) {
+            return -1;
+        }
+    }
+    return for_each_key(self, hashes, add_one);
+}
+
+static void
+BlockCounts_dealloc(BlockCounts *self)
+{
+    PyMem_Free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t
+BlockCounts_len(BlockCounts *self)
+{
+    return self->used;
+}
+
+static int
+BlockCounts_contains(BlockCounts *self, PyObject *obj)
+{
+    uint64_t key;
+    if (as_key(obj, &key) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError) ||
+            PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return 0; /* not a 64-bit int: never held */
+        }
+        return -1;
+    }
+    return self->slots[find(self, key)].count != 0;
+}
+
+static PyObject *
+BlockCounts_add(BlockCounts *self, PyObject *hashes)
+{
+    if (for_each_key(self, hashes, add_one) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+BlockCounts_remove(BlockCounts *self, PyObject *hashes)
+{
+    int rc = for_each_key(self, hashes, remove_one);
+    if (shrink_if_sparse(self) < 0 || rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------- from a JSON array of ints */
+
+static inline const char *
+skip_ws(const char *p, const char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
+        p++;
+    }
+    return p;
+}
+
+static PyObject *
+json_error(Py_ssize_t index, const char *what)
+{
+    if (index < 0) {
+        PyErr_Format(PyExc_ValueError, "%s", what);
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s - at `[%zd]`", what, index);
+    }
+    return NULL;
+}
+
+/* Parse one JSON integer in the signed 64-bit range at *pp (past it on success). */
+static int
+parse_int(const char **pp, const char *end, uint64_t *out, const char **why)
+{
+    const char *p = *pp;
+    int negative = 0;
+    uint64_t magnitude = 0;
+    if (p < end && *p == '-') {
+        negative = 1;
+        p++;
+    }
+    if (p >= end || *p < '0' || *p > '9') {
+        *why = "Expected `int`";
+        return -1;
+    }
+    if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') {
+        *why = "Expected `int`, got a number with a leading zero";
+        return -1;
+    }
+    for (; p < end && *p >= '0' && *p <= '9'; p++) {
+        uint64_t digit = (uint64_t)(*p - '0');
+        if (magnitude > (UINT64_MAX - digit) / 10) {
+            *why = "Expected `int` in the signed 64-bit range";
+            return -1;
+        }
+        magnitude = magnitude * 10 + digit;
+    }
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) {
+        *why = "Expected `int`, got `float`";
+        return -1;
+    }
+    if (magnitude > (negative ? (uint64_t)1 << 63 : ((uint64_t)1 << 63) - 1)) {
+        *why = "Expected `int` in the signed 64-bit range";
+        return -1;
+    }
+    *out = negative ? (uint64_t)0 - magnitude : magnitude;
+    *pp = p;
+    return 0;
+}
+
+static PyObject *
+BlockCounts_from_json(PyTypeObject *type, PyObject *data)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const char *p = view.buf;
+    const char *end = p + view.len;
+    BlockCounts *self = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t index = 0;
+    const char *why = NULL;
+
+    p = skip_ws(p, end);
+    if (p >= end || *p != '[') {
+        json_error(-1, "Expected `array` of `int`");
+        goto done;
+    }
+    /* Commas + 1 bounds the element count: size the table once. */
+    Py_ssize_t bound = 1;
+    for (const char *q = p; q < end; q++) {
+        bound += *q == ',';
+    }
+    self = (BlockCounts *)PyObject_CallNoArgs((PyObject *)type);
+    if (self == NULL) {
+        goto done;
+    }
+    size_t capacity = MIN_CAPACITY;
+    while (capacity < (size_t)bound * 2) {
+        capacity *= 2;
+    }
+    if (capacity > self->mask + 1 && resize(self, capacity) < 0) {
+        goto done;
+    }
+    p = skip_ws(p + 1, end);
+    if (p < end && *p == ']') {
+        p++;
+    } else {
+        for (;;) {
+            uint64_t key;
+            if (parse_int(&p, end, &key, &why) < 0) {
+                json_error(index, why);
+                goto done;
+            }
+            if (add_one(self, key) < 0) {
+                goto done;
+            }
+            index++;
+            p = skip_ws(p, end);
+            if (p < end && *p == ',') {
+                p = skip_ws(p + 1, end);
+                continue;
+            }
+            if (p < end && *p == ']') {
+                p++;
+                break;
+            }
+            json_error(index, "Expected `,` or `]` after an array element");
+            goto done;
+        }
+    }
+    if (skip_ws(p, end) != end) {
+        json_error(-1, "Trailing characters after the array");
+        goto done;
+    }
+    result = (PyObject *)self;
+    self = NULL;
+done:
+    Py_XDECREF(self);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *
+BlockCounts_count(BlockCounts *self, PyObject *obj)
+{
+    uint64_t key;
+    if (as_key(obj, &key) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(self->slots[find(self, key)].count);
+}
+
+/* Query keys probed per batch: their slots are prefetched together, so the cache misses of a
+ * batch overlap instead of following one another (the tables are too big for L1/L2 once the
+ * network stack has run between two requests). */
+#define PROBE_BATCH 64
+
+static PyObject *
+BlockCounts_count_absent(BlockCounts *self, PyObject *other)
+{
+    if (!PyObject_TypeCheck(other, &BlockCountsType)) {
+        PyErr_Format(PyExc_TypeError, "count_absent() takes BlockCounts, not %.100s",
+                     Py_TYPE(other)->tp_name);
+        return NULL;
+    }
+    const BlockCounts *query = (const BlockCounts *)other;
+    if (self->used == 0) {
+        return PyLong_FromSsize_t(query->used);
+    }
+    uint64_t keys[PROBE_BATCH];
+    size_t homes[PROBE_BATCH];
+    Py_ssize_t absent = 0;
+    size_t capacity = query->mask + 1;
+    size_t i = 0;
+    while (i < capacity) {
+        int n = 0;
+        for (; i < capacity && n < PROBE_BATCH; i++) {
+            const Slot *s = &query->slots[i];
+            if (s->count != 0) {
+                keys[n] = s->key;
+                homes[n] = slot_of(s->key, self->mask);
+                __builtin_prefetch(&self->slots[homes[n]]);
+                n++;
+            }
+        }
+        for (int k = 0; k < n; k++) {
+            size_t j = homes[k];
+            for (;;) {
+                const Slot *s = &self->slots[j];
+                if (s->count == 0) {
+                    absent++;
+                    break;
+                }
+                if (s->key == keys[k]) {
+                    break;
+                }
+                j = (j + 1) & self->mask;
+            }
+        }
+    }
+    return PyLong_FromSsize_t(absent);
+}
+
+static PyObject *
+BlockCounts_items(BlockCounts *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PyList_New(self->used);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = 0;
+    for (size_t i = 0; i <= self->mask; i++) {
+        const Slot *s = &self->slots[i];
+        if (s->count == 0) {
+            continue;
+        }
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)s->key,
+                                       (unsigned long long)s->count);
+        if (pair == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k++, pair);
+    }
+    return out;
+}
+
+static PyObject *
+BlockCounts_clear(BlockCounts *self, PyObject *Py_UNUSED(ignored))
+{
+    Slot *fresh = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
+    if (fresh == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyMem_Free(self->slots);
+    self->slots = fresh;
+    self->mask = MIN_CAPACITY - 1;
+    self->used = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+BlockCounts_sizeof(BlockCounts *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(sizeof(BlockCounts) + (self->mask + 1) * sizeof(Slot));
+}
+
+static PyObject *
+BlockCounts_repr(BlockCounts *self)
+{
+    return PyUnicode_FromFormat("BlockCounts(<%zd blocks>)", self->used);
+}
+
+static PyMethodDef BlockCounts_methods[] = {
+    {"from_json", (PyCFunction)BlockCounts_from_json, METH_O | METH_CLASS,
+     "from_json(data): the hashes of a JSON array of integers in the signed 64-bit range "
+     "(bytes-like, e.g. a msgspec.Raw). ValueError, naming the element, on anything else."},
+    {"add", (PyCFunction)BlockCounts_add, METH_O,
+     "add(hashes): count one more holder of each hash (a repeated hash counts twice)."},
+    {"remove", (PyCFunction)BlockCounts_remove, METH_O,
+     "remove(hashes): count one holder less of each hash; a hash whose count reaches 0 "
+     "leaves. KeyError on a hash that is not held (those before it stay removed)."},
+    {"count", (PyCFunction)BlockCounts_count, METH_O, "count(hash): its count, 0 if absent."},
+    {"count_absent", (PyCFunction)BlockCounts_count_absent, METH_O,
+     "count_absent(query): how many distinct hashes of query (a BlockCounts) are absent here."},
+    {"items", (PyCFunction)BlockCounts_items, METH_NOARGS,
+     "items(): [(hash as unsigned 64-bit int, count)] in no particular order."},
+    {"clear", (PyCFunction)BlockCounts_clear, METH_NOARGS, "clear(): drop every hash."},
+    {"__sizeof__", (PyCFunction)BlockCounts_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods BlockCounts_as_sequence = {
+    .sq_length = (lenfunc)BlockCounts_len,
+    .sq_contains = (objobjproc)BlockCounts_contains,
+};
+
+static PyTypeObject BlockCountsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dynamo.router._blocks.BlockCounts",
+    .tp_doc = PyDoc_STR(
+        "BlockCounts(hashes=()): a multiset of 64-bit block hashes with a count per hash.\n\n"
+        "A hash is an int in the signed or unsigned 64-bit range; both forms of one bit\n"
+        "pattern are the same hash. len() is the number of distinct hashes."),
+    .tp_basicsize = sizeof(BlockCounts),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = BlockCounts_new,
+    .tp_init = (initproc)BlockCounts_init,
+    .tp_dealloc = (destructor)BlockCounts_dealloc,
+    .tp_repr = (reprfunc)BlockCounts_repr,
+    .tp_as_sequence = &BlockCounts_as_sequence,
+    .tp_methods = BlockCounts_methods,
+};
+
+static struct PyModuleDef blocks_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dynamo.router._blocks",
+    .m_doc = "Native block-hash multiset for the router's load accounting.",
+    .m_size = -1,
+};
+
+static int
+init_seed(void)
+{
+    PyObject *os = PyImport_ImportModule("os");
+    if (os == NULL) {
+        return -1;
+    }
+    PyObject *raw = PyObject_CallMethod(os, "urandom", "i", (int)sizeof(mix_seed));
+    Py_DECREF(os);
+    if (raw == NULL) {
+        return -1;
+    }
+    memcpy(&mix_seed, PyBytes_AS_STRING(raw), sizeof(mix_seed));
+    Py_DECREF(raw);
+    return 0;
+}
+
+PyMODINIT_FUNC
+PyInit__blocks(void)
+{
+    if (init_seed() < 0 || PyType_Ready(&BlockCountsType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&blocks_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&BlockCountsType);
+    if (PyModule_AddObject(module, "BlockCounts", (PyObject *)&BlockCountsType) < 0) {
+        Py_DECREF(&BlockCountsType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,35 @@
+"""Type stub of the native module ``dynamo.router._blocks`` (source: ``_blocks.c``)."""
+
+from collections.abc import Iterable
+
+from msgspec import Raw
+
+class BlockCounts:
+    """A multiset of 64-bit block hashes with a count per hash.
+
+    A hash is an int in the signed or unsigned 64-bit range; both forms of one bit pattern are
+    the same hash (``items()`` gives the unsigned form). ``len()`` is the number of distinct
+    hashes.
+    """
+
+    def __init__(self, hashes: Iterable[int] = ...) -> None: ...
+    @classmethod
+    def from_json(cls, data: bytes | bytearray | memoryview | Raw) -> BlockCounts:
+        """The hashes of a JSON array of integers in the signed 64-bit range.
+
+        ``data`` is bytes-like (a ``msgspec.Raw`` works). ValueError, naming the element
+        (``- at `[3]```), on anything else: not an array, a float, a string, out of range.
+        """
+    def __len__(self) -> int: ...
+    def __contains__(self, hash: object) -> bool: ...
+    def add(self, hashes: Iterable[int]) -> None:
+        """One more holder of each hash (a repeated hash counts twice)."""
+    def remove(self, hashes: Iterable[int]) -> None:
+        """One holder less of each hash; KeyError on a hash that is not held."""
+    def count(self, hash: int) -> int:
+        """The hash's count, 0 if absent."""
+    def count_absent(self, query: BlockCounts) -> int:
+        """How many distinct hashes of ``query`` are absent here."""
+    def items(self) -> list[tuple[int, int]]:
+        """``(unsigned hash, count)`` pairs, in no particular order."""
+    def clear(self) -> None: ...
