@@ -317,9 +317,13 @@ class ActiveSequences:
         ``sequence_hashes`` counts once (a prepared ``BlockCounts`` may be passed directly).
         """
         load = PotentialLoad
-        query = _query(sequence_hashes)
-        num_query = len(query) if self._assume_kv_reuse else _length(sequence_hashes)
         if self._assume_kv_reuse:
+            query = (
+                sequence_hashes
+                if isinstance(sequence_hashes, BlockCounts)
+                else BlockCounts(sequence_hashes)
+            )
+            num_query = len(query)
             return [
                 load(
                     rank.worker_id,
@@ -332,6 +336,7 @@ class ActiveSequences:
                 )
                 for rank in self._rank_list
             ]
+        num_query = _length(sequence_hashes)
         return [
             load(
                 rank.worker_id,

@@ -6,15 +6,24 @@ streams, uses granian).
 Handlers are synchronous and run inside the protocol callback: a request costs no task, no
 thread hop and no copy beyond the body. With a trivial handler on the 2-core CI VM this served
 ~3.5x the requests/s of granian's RSGI interface (about 70k vs 20k req/s, wrk, 16 connections).
+
+``write_behind=True`` hands every response to a native write-behind thread
+(``dynamo.runtime._sender``): each connection's socket is dup'ed and written there without the
+GIL, so the kernel's send path (on loopback it also runs the receiver's input path) overlaps
+with parsing and answering the next requests. Responses of one event loop iteration are handed
+over together: the thread is woken at most once per iteration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Protocol, cast
 
 import httptools
+
+from dynamo.runtime._sender import Sender
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,8 @@ _TOO_LARGE = b'{"error":"Failed to buffer the request body: length limit exceede
 _MALFORMED = b'{"error":"malformed HTTP request"}'
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
+DEFAULT_MAX_BACKLOG_BYTES = 16 * 1024 * 1024
+"""Unread response bytes a write-behind connection may hold before it is shut down."""
 
 
 class App(Protocol):
@@ -95,6 +106,8 @@ class HttpProtocol(asyncio.Protocol):
         "_app",
         "_limit",
         "_connections",
+        "_write_behind",
+        "_fd",
         "_transport",
         "_parser",
         "_url",
@@ -104,10 +117,18 @@ class HttpProtocol(asyncio.Protocol):
         "_closing",
     )
 
-    def __init__(self, app: App, max_body_bytes: int, connections: set[HttpProtocol]) -> None:
+    def __init__(
+        self,
+        app: App,
+        max_body_bytes: int,
+        connections: set[HttpProtocol],
+        write_behind: _WriteBehind | None = None,
+    ) -> None:
         self._app = app
         self._limit = max_body_bytes
         self._connections = connections
+        self._write_behind = write_behind
+        self._fd = -1  # the write-behind thread's dup of the socket, while it has one
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
@@ -121,12 +142,27 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        if self._write_behind is not None:
+            self._fd = os.dup(transport.get_extra_info("socket").fileno())
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
         self._transport = None
         self._closing = True
+        self.release_fd()
+
+    def release_fd(self) -> None:
+        """Hand the dup'ed socket back to the write-behind thread for closing (after its bytes)."""
+        if self._fd >= 0 and self._write_behind is not None:
+            self._write_behind.close(self._fd)
+            self._fd = -1
+
+    def _write(self, data: bytes) -> None:
+        if self._fd >= 0 and self._write_behind is not None:
+            self._write_behind.send(self._fd, data)
+        elif self._transport is not None:
+            self._transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -166,9 +202,12 @@ class HttpProtocol(asyncio.Protocol):
         transport = self._transport
         if transport is None or self._closing:
             return
-        transport.write(render(status, body, close=True))
+        self._write(render(status, body, close=True))
         self._closing = True  # data_received now discards
-        if linger and transport.can_write_eof():
+        if linger and self._fd >= 0 and self._write_behind is not None:
+            self._write_behind.shutdown_write(self._fd)
+            asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+        elif linger and transport.can_write_eof():
             transport.write_eof()
             asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
         else:
@@ -189,8 +228,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._fail(413, _TOO_LARGE, linger=True)
                 raise _Abort
         elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
-            if self._transport is not None:
-                self._transport.write(_CONTINUE)
+            self._write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
@@ -222,29 +260,91 @@ class HttpProtocol(asyncio.Protocol):
         head = method == b"HEAD"
         result = self._app.handle(b"GET" if head else method, path, query, content_type, body)
         keep_alive = parser.should_keep_alive()
-        if len(result) == 2:
-            transport.write(render(result[0], result[1], close=not keep_alive, head=head))
+        status, payload = result[0], result[1]
+        if keep_alive and payload and not head and len(result) == 2 and status in _PREFIX:
+            data = b"%s%d\r\n\r\n%s" % (_PREFIX[status], len(payload), payload)  # render's hot path
+        elif len(result) == 2:
+            data = render(status, payload, close=not keep_alive, head=head)
         else:
-            transport.write(
-                render(
-                    result[0], result[1], close=not keep_alive, head=head, content_type=result[2]
-                )
-            )
+            data = render(status, payload, close=not keep_alive, head=head, content_type=result[2])
+        write_behind = self._write_behind
+        if write_behind is not None and self._fd >= 0:
+            write_behind.sender_send(self._fd, data)
+            if not write_behind.scheduled:
+                write_behind.schedule_flush()
+        else:
+            transport.write(data)
         if not keep_alive:
             self.close()
             raise _Abort
 
 
+class _WriteBehind:
+    """A server's write-behind thread, woken at most once per event loop iteration."""
+
+    __slots__ = ("_sender", "_loop", "scheduled", "sender_send")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int) -> None:
+        self._sender = Sender(max_backlog_bytes=max_backlog_bytes)
+        self._loop = loop
+        self.scheduled = False
+        # The hot path calls these two directly: ``sender_send`` then, unless ``scheduled``,
+        # ``schedule_flush`` (one Python frame less per response than ``send``).
+        self.sender_send = self._sender.send
+
+    def schedule_flush(self) -> None:
+        self.scheduled = True
+        self._loop.call_soon(self._flush)
+
+    def send(self, fd: int, data: bytes) -> None:
+        self._sender.send(fd, data)
+        if not self.scheduled:
+            self.schedule_flush()
+
+    def shutdown_write(self, fd: int) -> None:
+        self._sender.shutdown_write(fd)
+        self._sender.flush()
+
+    def close(self, fd: int) -> None:
+        self._sender.close(fd)
+        self._sender.flush()
+
+    @property
+    def dropped_connections(self) -> int:
+        return self._sender.dropped_connections
+
+    def _flush(self) -> None:
+        self.scheduled = False
+        self._sender.flush()
+
+    def stop(self, timeout_s: float) -> None:
+        self._sender.stop(timeout_s)
+
+
 class HttpServer:
-    """Listens on (host, port) and serves ``app``; ``port=0`` picks a free port (see ``port``)."""
+    """Listens on (host, port) and serves ``app``; ``port=0`` picks a free port (see ``port``).
+
+    ``write_behind``: write responses from a native thread (see the module docstring); a
+    client that leaves more than ``max_backlog_bytes`` of responses unread is disconnected.
+    """
 
     def __init__(
-        self, app: App, host: str, port: int, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+        self,
+        app: App,
+        host: str,
+        port: int,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        write_behind: bool = False,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
     ) -> None:
         self._app = app
         self._host = host
         self._port = port
         self._limit = max_body_bytes
+        self._use_write_behind = write_behind
+        self._max_backlog = max_backlog_bytes
+        self._write_behind: _WriteBehind | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[HttpProtocol] = set()
 
@@ -254,22 +354,41 @@ class HttpServer:
             raise RuntimeError("server not started")
         return int(self._server.sockets[0].getsockname()[1])
 
+    @property
+    def dropped_connections(self) -> int:
+        """Write-behind connections shut down because their client stopped reading."""
+        return 0 if self._write_behind is None else self._write_behind.dropped_connections
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: HttpProtocol(self._app, self._limit, self._connections),
-            self._host,
-            self._port,
-            backlog=1024,
-            reuse_address=True,
-        )
+        if self._use_write_behind:
+            self._write_behind = _WriteBehind(loop, self._max_backlog)
+        write_behind = self._write_behind
+        try:
+            self._server = await loop.create_server(
+                lambda: HttpProtocol(self._app, self._limit, self._connections, write_behind),
+                self._host,
+                self._port,
+                backlog=1024,
+                reuse_address=True,
+            )
+        except BaseException:
+            if write_behind is not None:
+                write_behind.stop(0.0)
+            self._write_behind = None
+            raise
 
-    async def stop(self) -> None:
-        """Stop listening and close every open connection."""
+    async def stop(self, drain_timeout_s: float = 1.0) -> None:
+        """Stop listening and close every open connection (queued responses are still sent)."""
         if self._server is None:
             return
         self._server.close()
         for conn in list(self._connections):
             conn.close()
+            conn.release_fd()
         await self._server.wait_closed()
         self._server = None
+        if self._write_behind is not None:
+            # Joins the thread: waits only for clients too slow to take their last responses.
+            self._write_behind.stop(drain_timeout_s)
+            self._write_behind = None

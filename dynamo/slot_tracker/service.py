@@ -37,7 +37,11 @@ class SlotTrackerService:
             )
         self.app = SlotTrackerApp(self.registry, self.replica)
         self._http = HttpServer(
-            self.app, config.host, config.port, max_body_bytes=config.max_body_bytes
+            self.app,
+            config.host,
+            config.port,
+            max_body_bytes=config.max_body_bytes,
+            write_behind=True,
         )
         self._sweeper: asyncio.Task[None] | None = None
 
