@@ -5,7 +5,7 @@ PYTHON ?= python3
 
 .PHONY: run test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'

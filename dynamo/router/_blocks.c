@@ -369,12 +369,11 @@ parse_int(const char **pp, const char *end, uint64_t *out, const char **why)
         return -1;
     }
     for (; p < end && *p >= '0' && *p <= '9'; p++) {
-        uint64_t digit = (uint64_t)(*p - '0');
-        if (magnitude > (UINT64_MAX - digit) / 10) {
+        if (__builtin_mul_overflow(magnitude, 10, &magnitude) ||
+            __builtin_add_overflow(magnitude, (uint64_t)(*p - '0'), &magnitude)) {
             *why = "Expected `int` in the signed 64-bit range";
             return -1;
         }
-        magnitude = magnitude * 10 + digit;
     }
     if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) {
         *why = "Expected `int`, got `float`";
@@ -413,15 +412,15 @@ BlockCounts_from_json(PyTypeObject *type, PyObject *data)
     for (const char *q = p; q < end; q++) {
         bound += *q == ',';
     }
-    self = (BlockCounts *)PyObject_CallNoArgs((PyObject *)type);
-    if (self == NULL) {
-        goto done;
-    }
     size_t capacity = MIN_CAPACITY;
     while (capacity < (size_t)bound * 2) {
         capacity *= 2;
     }
-    if (capacity > self->mask + 1 && resize(self, capacity) < 0) {
+    self = (BlockCounts *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        goto done;
+    }
+    if (resize(self, capacity) < 0) { /* the empty table, sized once */
         goto done;
     }
     p = skip_ws(p + 1, end);
