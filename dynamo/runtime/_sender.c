@@ -13,8 +13,9 @@
  * keeps each descriptor's bytes in order and performs its shutdown/close markers after the
  * bytes queued before them. send/shutdown_write/close only queue (a copy of the data); flush
  * wakes the thread when it sleeps (call it once per event loop iteration). A descriptor whose
- * peer does not read is kept in a backlog and polled for POLLOUT; past max_backlog_bytes it is
- * shut down (both directions), so the connection's owner sees it end. Write errors (the peer
+ * peer does not read is kept in a backlog and polled for POLLOUT; once more than
+ * max_backlog_bytes of its bytes are held unwritten (a single large send counts too) it is shut
+ * down (both directions), so the connection's owner sees it end. Write errors (the peer
  * is gone) drop that descriptor's data until its close marker.
  */
 #define PY_SSIZE_T_CLEAN
@@ -135,21 +136,25 @@ static void
 kill_backlog(Sender *s, Backlog *b)
 {
     /* Keep the close marker (if queued) and drop every byte: the connection is over. */
-    Node *keep = NULL, **tail = &keep;
+    Node *keep = NULL, *last = NULL;
     Node *node = b->head;
     while (node != NULL) {
         Node *next = node->next;
         if (node->op == OP_CLOSE) {
             node->next = NULL;
-            *tail = node;
-            tail = &node->next;
+            if (last != NULL) {
+                last->next = node;
+            } else {
+                keep = node;
+            }
+            last = node;
         } else {
             free(node);
         }
         node = next;
     }
     b->head = keep;
-    b->tail = keep;
+    b->tail = last;
     b->bytes = 0;
     if (!b->dead) {
         b->dead = 1;
@@ -198,7 +203,7 @@ perform(Sender *s, Node *node)
         b->next = s->backlogs;
         s->backlogs = b;
         append_to_backlog(b, node);
-        if (rc < 0) {
+        if (rc < 0 || b->bytes > s->max_backlog_bytes) {
             kill_backlog(s, b);
         }
         return;
@@ -222,6 +227,9 @@ drain_backlog(Sender *s, Backlog *b)
         if (node->op == OP_DATA) {
             if (b->dead) {
                 b->head = node->next;
+                if (b->head == NULL) {
+                    b->tail = NULL;
+                }
                 free(node);
                 continue;
             }

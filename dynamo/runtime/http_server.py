@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol, cast
 
 import httptools
@@ -103,6 +104,7 @@ class HttpProtocol(asyncio.Protocol):
     """One client connection: parse, call the app, write the response, keep alive or close."""
 
     __slots__ = (
+        "_accepting",
         "_app",
         "_limit",
         "_connections",
@@ -123,7 +125,9 @@ class HttpProtocol(asyncio.Protocol):
         max_body_bytes: int,
         connections: set[HttpProtocol],
         write_behind: _WriteBehind | None = None,
+        accepting: Callable[[], bool] | None = None,
     ) -> None:
+        self._accepting = accepting
         self._app = app
         self._limit = max_body_bytes
         self._connections = connections
@@ -142,8 +146,16 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
-        if self._write_behind is not None:
-            self._fd = os.dup(transport.get_extra_info("socket").fileno())
+        if self._accepting is not None and not self._accepting():
+            # Accepted by the loop while the server stopped: end it rather than leave it open.
+            self._closing = True
+            self._transport.close()
+            return
+        if self._write_behind is not None and self._write_behind.running:
+            try:
+                self._fd = os.dup(transport.get_extra_info("socket").fileno())
+            except OSError as exc:  # out of descriptors: this connection writes itself
+                log.warning("write-behind unavailable for a connection: %s", exc)
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -282,12 +294,13 @@ class HttpProtocol(asyncio.Protocol):
 class _WriteBehind:
     """A server's write-behind thread, woken at most once per event loop iteration."""
 
-    __slots__ = ("_sender", "_loop", "scheduled", "sender_send")
+    __slots__ = ("_sender", "_loop", "scheduled", "sender_send", "running")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int) -> None:
         self._sender = Sender(max_backlog_bytes=max_backlog_bytes)
         self._loop = loop
         self.scheduled = False
+        self.running = True  # False once stopped: connections made later write themselves
         # The hot path calls these two directly: ``sender_send`` then, unless ``scheduled``,
         # ``schedule_flush`` (one Python frame less per response than ``send``).
         self.sender_send = self._sender.send
@@ -306,6 +319,9 @@ class _WriteBehind:
         self._sender.flush()
 
     def close(self, fd: int) -> None:
+        if not self.running:  # the thread is gone: nothing is queued for fd any more
+            os.close(fd)
+            return
         self._sender.close(fd)
         self._sender.flush()
 
@@ -318,6 +334,7 @@ class _WriteBehind:
         self._sender.flush()
 
     def stop(self, timeout_s: float) -> None:
+        self.running = False
         self._sender.stop(timeout_s)
 
 
@@ -345,6 +362,7 @@ class HttpServer:
         self._use_write_behind = write_behind
         self._max_backlog = max_backlog_bytes
         self._write_behind: _WriteBehind | None = None
+        self._serving = False  # False: connections the loop still accepts are closed at once
         self._server: asyncio.Server | None = None
         self._connections: set[HttpProtocol] = set()
 
@@ -353,6 +371,9 @@ class HttpServer:
         if self._server is None or not self._server.sockets:
             raise RuntimeError("server not started")
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _is_serving(self) -> bool:
+        return self._serving
 
     @property
     def dropped_connections(self) -> int:
@@ -364,15 +385,19 @@ class HttpServer:
         if self._use_write_behind:
             self._write_behind = _WriteBehind(loop, self._max_backlog)
         write_behind = self._write_behind
+        self._serving = True
         try:
             self._server = await loop.create_server(
-                lambda: HttpProtocol(self._app, self._limit, self._connections, write_behind),
+                lambda: HttpProtocol(
+                    self._app, self._limit, self._connections, write_behind, self._is_serving
+                ),
                 self._host,
                 self._port,
                 backlog=1024,
                 reuse_address=True,
             )
         except BaseException:
+            self._serving = False
             if write_behind is not None:
                 write_behind.stop(0.0)
             self._write_behind = None
@@ -382,12 +407,17 @@ class HttpServer:
         """Stop listening and close every open connection (queued responses are still sent)."""
         if self._server is None:
             return
+        self._serving = False
         self._server.close()
         for conn in list(self._connections):
             conn.close()
             conn.release_fd()
         await self._server.wait_closed()
         self._server = None
+        # Connections accepted while the listener closed were made during the wait: end them too.
+        for conn in list(self._connections):
+            conn.close()
+            conn.release_fd()
         if self._write_behind is not None:
             # Joins the thread: waits only for clients too slow to take their last responses.
             self._write_behind.stop(drain_timeout_s)
