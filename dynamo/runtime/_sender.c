@@ -64,7 +64,8 @@ typedef struct {
     /* Owned by the thread. */
     Backlog *backlogs;
     /* Read-only after start. */
-    int wake_fd;
+    int wake_fd; /* -1 once the thread is joined */
+    int mutex_ready;
     size_t max_backlog_bytes;
     /* Updated by the thread, read under mutex. */
     unsigned long long dropped_connections;
@@ -432,6 +433,9 @@ static void
 wake(Sender *s)
 {
     uint64_t one = 1;
+    if (s->wake_fd < 0) {
+        return;
+    }
     ssize_t ignored = write(s->wake_fd, &one, sizeof(one));
     (void)ignored;
 }
@@ -517,6 +521,8 @@ stop_thread(Sender *self, double timeout_s)
     pthread_join(self->thread, NULL);
     Py_END_ALLOW_THREADS
     self->thread_started = 0;
+    close(self->wake_fd); /* nothing waits on it any more */
+    self->wake_fd = -1;
 }
 
 static PyObject *
@@ -526,6 +532,12 @@ Sender_stop(Sender *self, PyObject *args, PyObject *kwds)
     double timeout_s = 1.0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|d:stop", kwlist, &timeout_s)) {
         return NULL;
+    }
+    if (!(timeout_s >= 0.0)) { /* negative or NaN */
+        timeout_s = 0.0;
+    }
+    if (timeout_s > 86400.0) { /* keeps the poll timeout in range; a day is "forever" here */
+        timeout_s = 86400.0;
     }
     stop_thread(self, timeout_s);
     Py_RETURN_NONE;
@@ -571,6 +583,7 @@ Sender_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->max_backlog_bytes = (size_t)max_backlog;
     pthread_mutex_init(&self->mutex, NULL);
+    self->mutex_ready = 1;
     int rc = pthread_create(&self->thread, NULL, run, self);
     if (rc != 0) {
         errno = rc;
@@ -589,6 +602,8 @@ Sender_dealloc(Sender *self)
     free_nodes(self->head);
     if (self->wake_fd >= 0) {
         close(self->wake_fd);
+    }
+    if (self->mutex_ready) {
         pthread_mutex_destroy(&self->mutex);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);

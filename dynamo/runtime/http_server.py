@@ -107,6 +107,7 @@ class HttpProtocol(asyncio.Protocol):
         "_accepting",
         "_app",
         "_limit",
+        "_limit_digits",
         "_connections",
         "_write_behind",
         "_fd",
@@ -116,6 +117,7 @@ class HttpProtocol(asyncio.Protocol):
         "_content_type",
         "_body",
         "_body_len",
+        "_expect_continue",
         "_closing",
     )
 
@@ -130,6 +132,7 @@ class HttpProtocol(asyncio.Protocol):
         self._accepting = accepting
         self._app = app
         self._limit = max_body_bytes
+        self._limit_digits = len(str(max_body_bytes))
         self._connections = connections
         self._write_behind = write_behind
         self._fd = -1  # the write-behind thread's dup of the socket, while it has one
@@ -139,6 +142,7 @@ class HttpProtocol(asyncio.Protocol):
         self._content_type: bytes | None = None
         self._body: list[bytes] = []
         self._body_len = 0
+        self._expect_continue = False
         self._closing = False
 
     # ------------------------------------------------------------ asyncio side
@@ -235,11 +239,16 @@ class HttpProtocol(asyncio.Protocol):
         if size == 12 and name.lower() == b"content-type":
             self._content_type = value
         elif size == 14 and name.lower() == b"content-length":
-            # llhttp has validated the value; only long ones can exceed the limit.
-            if len(value) > 6 and int(value) > self._limit:
+            # llhttp has validated the value; only ones as long as the limit can exceed it.
+            if len(value) >= self._limit_digits and int(value) > self._limit:
                 self._fail(413, _TOO_LARGE, linger=True)
                 raise _Abort
         elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True  # answered once every header is known (length checked)
+
+    def on_headers_complete(self) -> None:
+        if self._expect_continue:
+            self._expect_continue = False
             self._write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:

@@ -154,3 +154,17 @@ def test_oversized_body_is_refused() -> None:
     assert not transport.out  # exactly at the 1 MiB limit
     proto.data_received(chunk)
     assert transport.out.startswith(b"HTTP/1.1 413") and transport.closed
+
+
+@pytest.mark.parametrize("limit", [1000, 99_999, 100_000])
+def test_declared_length_over_a_small_limit_is_refused_before_continue(limit: int) -> None:
+    proto = HttpProtocol(SlotTrackerApp(registry()), limit, set())
+    transport = FakeTransport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    head = b"POST /add HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 100000\r\n\r\n"
+    proto.data_received(head)
+    if limit < 100_000:
+        assert transport.out.startswith(b"HTTP/1.1 413") and transport.closed
+        assert b"100 Continue" not in transport.out
+    else:  # exactly at the limit: the client may send it
+        assert bytes(transport.out) == b"HTTP/1.1 100 Continue\r\n\r\n" and not transport.closed
