@@ -24,6 +24,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -331,17 +332,38 @@ wait_for_work(Sender *s, int timeout_ms)
     free(fds);
 }
 
+/* How long the thread looks for more work before it sleeps. Under load the next batch comes
+ * within this window, so the event loop rarely pays for a wake-up (an eventfd write and an
+ * IPI: a tenth of its time per request when the thread slept after every batch). */
+#define SPIN_S 50e-6
+
+static int
+spin_for_work(Sender *s)
+{
+    double until = now_s() + SPIN_S;
+    do {
+        if (__atomic_load_n(&s->head, __ATOMIC_ACQUIRE) != NULL) {
+            return 1;
+        }
+        sched_yield(); /* lets whatever else wants this core run */
+    } while (now_s() < until);
+    return 0;
+}
+
 static void *
 run(void *arg)
 {
     Sender *s = arg;
+    int spun = 0;
     for (;;) {
         pthread_mutex_lock(&s->mutex);
         Node *batch = s->head;
-        s->head = s->tail = NULL;
+        __atomic_store_n(&s->head, NULL, __ATOMIC_RELAXED);
+        s->tail = NULL;
         int stopping = s->stopping;
         double deadline = s->stop_deadline;
-        if (batch == NULL) {
+        int spin = batch == NULL && !stopping && s->backlogs == NULL && !spun;
+        if (batch == NULL && !spin) {
             if (stopping && (s->backlogs == NULL || now_s() >= deadline)) {
                 pthread_mutex_unlock(&s->mutex);
                 break;
@@ -351,8 +373,14 @@ run(void *arg)
         pthread_mutex_unlock(&s->mutex);
         if (batch != NULL) {
             handle_batch(s, batch);
+            spun = 0;
             continue;
         }
+        if (spin) {
+            spun = !spin_for_work(s); /* found nothing: sleep on the next round */
+            continue;
+        }
+        spun = 0;
         int timeout_ms = -1;
         if (stopping) {
             double left = deadline - now_s();
@@ -390,7 +418,7 @@ enqueue(Sender *s, Node *node)
     if (s->tail != NULL) {
         s->tail->next = node;
     } else {
-        s->head = node;
+        __atomic_store_n(&s->head, node, __ATOMIC_RELEASE); /* seen by spin_for_work */
     }
     s->tail = node;
     pthread_mutex_unlock(&s->mutex);
