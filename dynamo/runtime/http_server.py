@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -300,16 +301,49 @@ class HttpProtocol(asyncio.Protocol):
             raise _Abort
 
 
+BUSY_POLL_WINDOW_S = 0.01
+BUSY_POLL_MIN_ITERATIONS = 100
+"""Busy polling runs only after a window of BUSY_POLL_WINDOW_S in which at least this many
+loop iterations answered requests (10k/s): below that rate it would mostly burn CPU."""
+
+
 class _WriteBehind:
-    """A server's write-behind thread, woken at most once per event loop iteration."""
+    """A server's write-behind thread, woken at most once per event loop iteration.
 
-    __slots__ = ("_sender", "_loop", "scheduled", "sender_send", "running")
+    Busy polling (``busy_poll_s`` > 0): under load, after an iteration that answered requests
+    the loop is kept from sleeping for ``busy_poll_s`` (a ``call_soon`` chain makes it poll
+    with a zero timeout). The next request is then picked up without a wake-up of the event
+    loop thread; with wrk at 16 connections this raised the slot tracker's throughput ~20 %.
+    The cost is CPU: while requests keep coming within the window, the loop's core stays busy.
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int) -> None:
+    __slots__ = (
+        "_sender",
+        "_loop",
+        "scheduled",
+        "sender_send",
+        "running",
+        "_busy_poll_s",
+        "_active_at",
+        "_polling",
+        "_window_end",
+        "_window_iterations",
+        "_hot",
+    )
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int, busy_poll_s: float = 0.0
+    ) -> None:
         self._sender = Sender(max_backlog_bytes=max_backlog_bytes)
         self._loop = loop
         self.scheduled = False
         self.running = True  # False once stopped: connections made later write themselves
+        self._busy_poll_s = busy_poll_s
+        self._active_at = 0.0
+        self._polling = False
+        self._window_end = 0.0
+        self._window_iterations = 0
+        self._hot = False
         # The hot path calls these two directly: ``sender_send`` then, unless ``scheduled``,
         # ``schedule_flush`` (one Python frame less per response than ``send``).
         self.sender_send = self._sender.send
@@ -341,6 +375,23 @@ class _WriteBehind:
     def _flush(self) -> None:
         self.scheduled = False
         self._sender.flush()
+        if self._busy_poll_s > 0:
+            now = time.monotonic()
+            self._active_at = now
+            if now >= self._window_end:
+                self._hot = self._window_iterations >= BUSY_POLL_MIN_ITERATIONS
+                self._window_iterations = 0
+                self._window_end = now + BUSY_POLL_WINDOW_S
+            self._window_iterations += 1
+            if self._hot and not self._polling:
+                self._polling = True
+                self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        if self.running and time.monotonic() - self._active_at < self._busy_poll_s:
+            self._loop.call_soon(self._poll)
+        else:
+            self._polling = False
 
     def stop(self, timeout_s: float) -> None:
         self.running = False
@@ -352,6 +403,8 @@ class HttpServer:
 
     ``write_behind``: write responses from a native thread (see the module docstring); a
     client that leaves more than ``max_backlog_bytes`` of responses unread is disconnected.
+    ``busy_poll_s``: under load, keep the loop polling this long after answering (see
+    ``_WriteBehind``); 0 disables it.
     """
 
     def __init__(
@@ -363,7 +416,11 @@ class HttpServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         write_behind: bool = False,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+        busy_poll_s: float = 0.0,
     ) -> None:
+        if busy_poll_s < 0 or (busy_poll_s and not write_behind):
+            raise ValueError("busy_poll_s must be >= 0 and needs write_behind")
+        self._busy_poll_s = busy_poll_s
         self._app = app
         self._host = host
         self._port = port
@@ -392,7 +449,7 @@ class HttpServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._use_write_behind:
-            self._write_behind = _WriteBehind(loop, self._max_backlog)
+            self._write_behind = _WriteBehind(loop, self._max_backlog, self._busy_poll_s)
         write_behind = self._write_behind
         self._serving = True
         try:

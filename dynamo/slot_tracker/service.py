@@ -42,6 +42,7 @@ class SlotTrackerService:
             config.port,
             max_body_bytes=config.max_body_bytes,
             write_behind=True,
+            busy_poll_s=config.busy_poll_us * 1e-6,
         )
         self._sweeper: asyncio.Task[None] | None = None
 
