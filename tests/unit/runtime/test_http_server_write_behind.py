@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import pytest
 import uvloop
 
-from dynamo.runtime.http_server import _LINGER_S, HttpServer, _WriteBehind
+from dynamo.runtime.http_server import (
+    _LINGER_S,
+    BUSY_POLL_MIN_ITERATIONS,
+    BUSY_POLL_WINDOW_S,
+    HttpServer,
+    _WriteBehind,
+)
 
 DEADLINE_S = 5.0  # generous: the CI machine is small and shared
 KIB = 1024
@@ -487,3 +493,75 @@ async def test_closed_connections_leave_no_descriptors() -> None:
                 await client.close()
         await until(lambda: open_fds() == baseline, f"descriptors to return to {baseline}")
         assert app.calls == 51
+
+
+# ------------------------------------------------------------------- busy polling
+
+
+async def test_busy_polling_starts_only_under_load_and_stops_when_idle() -> None:
+    loop = asyncio.get_running_loop()
+    busy_poll_s = 0.005
+    write_behind = _WriteBehind(loop, MIB, busy_poll_s)
+    try:
+        # A quiet window (a few answering iterations): the loop may sleep.
+        for _ in range(5):
+            write_behind._flush()
+        await asyncio.sleep(BUSY_POLL_WINDOW_S * 1.5)
+        write_behind._flush()
+        assert not write_behind._polling
+        # A busy window: from the next one on, the loop polls after answering...
+        for _ in range(BUSY_POLL_MIN_ITERATIONS + 10):
+            write_behind._flush()
+        await asyncio.sleep(BUSY_POLL_WINDOW_S * 1.5)
+        write_behind._flush()
+        assert write_behind._polling
+        iterations = 0
+
+        def count() -> None:
+            nonlocal iterations
+            iterations += 1
+
+        # ...meaning other callbacks keep running without the loop waiting for I/O.
+        end = time.monotonic() + DEADLINE_S
+        while write_behind._polling:
+            assert time.monotonic() < end, "busy polling never stopped"
+            loop.call_soon(count)
+            await asyncio.sleep(0)
+        assert iterations > 0
+        # ...and stops once nothing was answered for busy_poll_s: an idle loop sleeps.
+        cpu = time.process_time()
+        await asyncio.sleep(0.2)
+        assert time.process_time() - cpu < 0.1
+        assert not write_behind._polling
+    finally:
+        write_behind.stop(1.0)
+
+
+def test_busy_polling_needs_write_behind() -> None:
+    with pytest.raises(ValueError):
+        HttpServer(EchoApp(), "127.0.0.1", 0, busy_poll_s=0.001)
+    with pytest.raises(ValueError):
+        HttpServer(EchoApp(), "127.0.0.1", 0, write_behind=True, busy_poll_s=-1.0)
+
+
+@MODES
+async def test_a_busy_polling_server_answers_and_idles(write_behind: bool) -> None:
+    server = HttpServer(
+        EchoApp(), "127.0.0.1", 0, write_behind=write_behind, busy_poll_s=0.002 * write_behind
+    )
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        for _ in range(300):
+            writer.write(request(b"/x"))
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE_S)
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert await reader.readexactly(length) == echo(b"GET", b"/x")
+        writer.close()
+        await writer.wait_closed()
+        cpu = time.process_time()
+        await asyncio.sleep(0.2)
+        assert time.process_time() - cpu < 0.1  # no polling left running when idle
+    finally:
+        await server.stop()

@@ -168,3 +168,17 @@ def test_declared_length_over_a_small_limit_is_refused_before_continue(limit: in
         assert b"100 Continue" not in transport.out
     else:  # exactly at the limit: the client may send it
         assert bytes(transport.out) == b"HTTP/1.1 100 Continue\r\n\r\n" and not transport.closed
+
+
+def test_busy_poll_flag() -> None:
+    import argparse
+
+    from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert from_args(parser.parse_args([])).busy_poll_us == 200
+    assert from_args(parser.parse_args(["--busy-poll-us", "0"])).busy_poll_us == 0
+    for bad in (-1, 1_000_001):
+        with pytest.raises(ValueError):
+            SlotTrackerConfig(busy_poll_us=bad)
