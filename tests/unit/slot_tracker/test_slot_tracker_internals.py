@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+
 import msgspec
 import pytest
 
 from dynamo.runtime.http_server import HttpProtocol
 from dynamo.slot_tracker.app import SlotTrackerApp
+from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
 from dynamo.slot_tracker.registry import Op, Registry, TrackerError
 from dynamo.slot_tracker.replica import (
     TOPIC,
@@ -171,10 +174,6 @@ def test_declared_length_over_a_small_limit_is_refused_before_continue(limit: in
 
 
 def test_busy_poll_flag() -> None:
-    import argparse
-
-    from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert from_args(parser.parse_args([])).busy_poll_us == 200
