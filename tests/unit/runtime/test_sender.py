@@ -347,6 +347,17 @@ def test_a_single_send_over_the_cap_drops_the_connection(rig: Rig) -> None:
 # ------------------------------------------------------------------------ dead peers
 
 
+def close_counted_once(rig: Rig, link: Link, sender: Sender, sigpipes: list[int]) -> None:
+    """Hand the dropped descriptor's close to the sender: it is closed, counted once, quietly."""
+    inode = os.fstat(link.fd).st_ino
+    fd = link.fd
+    rig.close(link)
+    sender.flush()
+    wait_until_closed(fd, inode)
+    assert sender.dropped_connections == 1
+    assert sigpipes == []
+
+
 @pytest.mark.parametrize("how", ["tcp peer closed", "unix peer closed", "after shutdown_write"])
 def test_a_gone_peer_is_counted_without_sigpipe(rig: Rig, sigpipes: list[int], how: str) -> None:
     sender = rig.start()
@@ -363,13 +374,7 @@ def test_a_gone_peer_is_counted_without_sigpipe(rig: Rig, sigpipes: list[int], h
         time.sleep(0.002)
     for _ in range(20):  # a dead descriptor takes more bytes quietly, counted once
         sender.send(link.fd, b"y" * 1000)
-    inode = os.fstat(link.fd).st_ino
-    fd = link.fd
-    rig.close(link)
-    sender.flush()
-    wait_until_closed(fd, inode)
-    assert sender.dropped_connections == 1
-    assert sigpipes == []
+    close_counted_once(rig, link, sender, sigpipes)
 
 
 def test_a_peer_gone_while_backlogged_is_counted(rig: Rig, sigpipes: list[int]) -> None:
@@ -381,13 +386,7 @@ def test_a_peer_gone_while_backlogged_is_counted(rig: Rig, sigpipes: list[int]) 
     wait_until_stalled(link.peer)  # the thread polls the backlogged descriptor now
     link.peer.close()  # with unread bytes: a reset, which the backlog's poll sees
     wait_for_drops(sender, 1)
-    inode = os.fstat(link.fd).st_ino
-    fd = link.fd
-    rig.close(link)
-    sender.flush()
-    wait_until_closed(fd, inode)
-    assert sender.dropped_connections == 1
-    assert sigpipes == []
+    close_counted_once(rig, link, sender, sigpipes)
 
 
 # A dead descriptor's queue, in a child process: a use-after-free there aborts the process.
