@@ -77,13 +77,6 @@ class LoadProjection(msgspec.Struct, gc=False):
 _U64_MASK = (1 << 64) - 1
 
 
-def _query(sequence_hashes: Iterable[int] | BlockCounts) -> BlockCounts:
-    """The query's distinct blocks, in the form the per-rank tables are probed with."""
-    if isinstance(sequence_hashes, BlockCounts):
-        return sequence_hashes
-    return BlockCounts(sequence_hashes)
-
-
 def _length(sequence_hashes: Iterable[int] | BlockCounts) -> int:
     """Blocks in the request, repeats included (no reuse: each block is its own)."""
     if isinstance(sequence_hashes, BlockCounts):
@@ -317,35 +310,17 @@ class ActiveSequences:
         ``sequence_hashes`` counts once (a prepared ``BlockCounts`` may be passed directly).
         """
         load = PotentialLoad
-        if self._assume_kv_reuse:
-            query = (
-                sequence_hashes
-                if isinstance(sequence_hashes, BlockCounts)
-                else BlockCounts(sequence_hashes)
-            )
-            num_query = len(query)
-            return [
-                load(
-                    rank.worker_id,
-                    rank.dp_rank,
-                    rank.prefill_tokens + new_isl_tokens,
-                    len(blocks) + rank.private_blocks + blocks.count_absent(query)
-                    if (blocks := rank.blocks)
-                    else rank.private_blocks + num_query,
-                    rank.num_requests,
-                )
-                for rank in self._rank_list
-            ]
-        num_query = _length(sequence_hashes)
         return [
             load(
                 rank.worker_id,
                 rank.dp_rank,
                 rank.prefill_tokens + new_isl_tokens,
-                len(rank.blocks) + rank.private_blocks + num_query,
+                len(rank.blocks) + rank.private_blocks + new_blocks,
                 rank.num_requests,
             )
-            for rank in self._rank_list
+            for rank, new_blocks in zip(
+                self._rank_list, self._new_blocks(sequence_hashes), strict=True
+            )
         ]
 
     def project_loads(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[LoadProjection]:
@@ -355,31 +330,34 @@ class ActiveSequences:
         ``potential_decode_blocks == active_decode_blocks + new_decode_blocks``.
         """
         proj = LoadProjection
-        if self._assume_kv_reuse:
-            query = _query(sequence_hashes)
-            return [
-                proj(
-                    rank.worker_id,
-                    rank.dp_rank,
-                    rank.prefill_tokens,
-                    len(rank.blocks) + rank.private_blocks,
-                    rank.blocks.count_absent(query),
-                    rank.num_requests,
-                )
-                for rank in self._rank_list
-            ]
-        num_query = _length(sequence_hashes)
         return [
             proj(
                 rank.worker_id,
                 rank.dp_rank,
                 rank.prefill_tokens,
                 len(rank.blocks) + rank.private_blocks,
-                num_query,
+                new_blocks,
                 rank.num_requests,
             )
-            for rank in self._rank_list
+            for rank, new_blocks in zip(
+                self._rank_list, self._new_blocks(sequence_hashes), strict=True
+            )
         ]
+
+    def _new_blocks(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[int]:
+        """Per rank (in order), the request's blocks that would be new there.
+
+        With KV reuse: its distinct blocks not active on the rank. Without: all of its blocks
+        (none are shared), the same for every rank.
+        """
+        if self._assume_kv_reuse:
+            query = (
+                sequence_hashes
+                if isinstance(sequence_hashes, BlockCounts)
+                else BlockCounts(sequence_hashes)  # distinct blocks: a repeat counts once
+            )
+            return [rank.blocks.count_absent(query) for rank in self._rank_list]
+        return [_length(sequence_hashes)] * len(self._rank_list)
 
     def active_loads(self) -> list[ActiveLoad]:
         """Each tracked rank's current load, in the order the ranks were added."""

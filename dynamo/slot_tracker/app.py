@@ -165,6 +165,8 @@ class SlotTrackerApp:
         if handler is None:
             return _NOT_ALLOWED
         try:
+            if method == b"POST" and content_type != _JSON:  # every POST body is JSON
+                _check_json(content_type)
             return handler(query, content_type, body)
         except TrackerError as exc:
             return _error(exc.status, exc.message)
@@ -183,7 +185,6 @@ class SlotTrackerApp:
     # ------------------------------------------------------------------ topology
 
     def register(self, query: bytes, content_type: bytes | None, body: bytes) -> tuple[int, bytes]:
-        _check_json(content_type)
         req = self._register(body)
         _check_u64(req.worker_id, "worker_id")
         self._registry.register(
@@ -198,7 +199,6 @@ class SlotTrackerApp:
     def unregister(
         self, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes]:
-        _check_json(content_type)
         req = self._unregister(body)
         _check_u64(req.worker_id, "worker_id")
         self._registry.unregister((req.model_name, req.tenant_id), req.worker_id)
@@ -210,8 +210,6 @@ class SlotTrackerApp:
     # ----------------------------------------------------------------- lifecycle
 
     def add(self, query: bytes, content_type: bytes | None, body: bytes) -> tuple[int, bytes]:
-        if content_type != _JSON:
-            _check_json(content_type)
         req = self._add(body)
         if req.worker_id > U64_MAX or req.new_isl_tokens > U64_MAX:
             _check_u64(req.worker_id, "worker_id")
@@ -229,15 +227,11 @@ class SlotTrackerApp:
     def prefill_complete(
         self, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes]:
-        if content_type != _JSON:
-            _check_json(content_type)
         req = self._lifecycle(body)
         self._registry.prefill_complete((req.model_name, req.tenant_id), req.request_id)
         return 200, _OK
 
     def free(self, query: bytes, content_type: bytes | None, body: bytes) -> tuple[int, bytes]:
-        if content_type != _JSON:
-            _check_json(content_type)
         req = self._lifecycle(body)
         self._registry.free((req.model_name, req.tenant_id), req.request_id)
         return 200, _OK
@@ -250,8 +244,6 @@ class SlotTrackerApp:
     def potential_loads(
         self, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes]:
-        if content_type != _JSON:
-            _check_json(content_type)
         req = self._potential(body)
         if req.new_isl_tokens > U64_MAX:
             _check_u64(req.new_isl_tokens, "new_isl_tokens")
@@ -269,7 +261,6 @@ class SlotTrackerApp:
     def register_peer(
         self, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes]:
-        _check_json(content_type)
         req = self._peer(body)
         if self._replica is None:
             return _error(409, _NO_REPLICA)
@@ -278,7 +269,6 @@ class SlotTrackerApp:
     def deregister_peer(
         self, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes]:
-        _check_json(content_type)
         req = self._peer(body)
         if self._replica is None:
             return _error(409, _NO_REPLICA)
