@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import uvloop
 
+from dynamo.runtime import http_server
 from dynamo.runtime.http_server import (
     _LINGER_S,
     BUSY_POLL_MIN_ITERATIONS,
@@ -498,7 +499,21 @@ async def test_closed_connections_leave_no_descriptors() -> None:
 # ------------------------------------------------------------------- busy polling
 
 
-async def test_busy_polling_starts_only_under_load_and_stops_when_idle() -> None:
+class FakeClock:
+    """Stands in for the ``time`` module of ``http_server``: the test moves ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_busy_polling_starts_only_under_load_and_stops_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(http_server, "time", clock)
     loop = asyncio.get_running_loop()
     busy_poll_s = 0.005
     write_behind = _WriteBehind(loop, MIB, busy_poll_s)
@@ -506,13 +521,13 @@ async def test_busy_polling_starts_only_under_load_and_stops_when_idle() -> None
         # A quiet window (a few answering iterations): the loop may sleep.
         for _ in range(5):
             write_behind._flush()
-        await asyncio.sleep(BUSY_POLL_WINDOW_S * 1.5)
+        clock.now += BUSY_POLL_WINDOW_S * 1.5
         write_behind._flush()
         assert not write_behind._polling
         # A busy window: from the next one on, the loop polls after answering...
         for _ in range(BUSY_POLL_MIN_ITERATIONS + 10):
             write_behind._flush()
-        await asyncio.sleep(BUSY_POLL_WINDOW_S * 1.5)
+        clock.now += BUSY_POLL_WINDOW_S * 1.5
         write_behind._flush()
         assert write_behind._polling
         iterations = 0
@@ -521,18 +536,21 @@ async def test_busy_polling_starts_only_under_load_and_stops_when_idle() -> None
             nonlocal iterations
             iterations += 1
 
-        # ...meaning other callbacks keep running without the loop waiting for I/O.
-        end = time.monotonic() + DEADLINE_S
-        while write_behind._polling:
-            assert time.monotonic() < end, "busy polling never stopped"
+        # ...meaning the loop keeps iterating (polling with a zero timeout) while no time
+        # passes, so other callbacks keep running...
+        for _ in range(20):
             loop.call_soon(count)
             await asyncio.sleep(0)
-        assert iterations > 0
+            assert write_behind._polling
+        assert iterations == 20
         # ...and stops once nothing was answered for busy_poll_s: an idle loop sleeps.
+        clock.now += busy_poll_s * 1.01
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not write_behind._polling
         cpu = time.process_time()
         await asyncio.sleep(0.2)
         assert time.process_time() - cpu < 0.1
-        assert not write_behind._polling
     finally:
         write_behind.stop(1.0)
 
