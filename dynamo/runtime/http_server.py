@@ -69,6 +69,7 @@ class _Abort(Exception):
     """Raised from a parser callback to stop parsing a connection's input."""
 
 
+_JSON_TYPE = b"application/json"
 _PREFIX = {
     status: b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: " % reason
     for status, reason in _REASONS.items()
@@ -81,13 +82,9 @@ def render(
     *,
     close: bool = False,
     head: bool = False,
-    content_type: bytes = b"application/json",
+    content_type: bytes = _JSON_TYPE,
 ) -> bytes:
-    """One HTTP/1.1 response."""
-    if body and not close and not head and content_type == b"application/json":
-        prefix = _PREFIX.get(status)
-        if prefix is not None:  # the hot path: keep-alive JSON
-            return b"%s%d\r\n\r\n%s" % (prefix, len(body), body)
+    """One HTTP/1.1 response (keep-alive JSON answers take ``_PREFIX`` in the protocol)."""
     reason = _REASONS.get(status) or b"%d Status" % status
     conn = b"connection: close\r\n" if close else b""
     if not body:
@@ -284,11 +281,11 @@ class HttpProtocol(asyncio.Protocol):
         keep_alive = parser.should_keep_alive()
         status, payload = result[0], result[1]
         if keep_alive and payload and not head and len(result) == 2 and status in _PREFIX:
-            data = b"%s%d\r\n\r\n%s" % (_PREFIX[status], len(payload), payload)  # render's hot path
-        elif len(result) == 2:
-            data = render(status, payload, close=not keep_alive, head=head)
+            # The hot path, keep-alive JSON: a pre-rendered head and one format.
+            data = b"%s%d\r\n\r\n%s" % (_PREFIX[status], len(payload), payload)
         else:
-            data = render(status, payload, close=not keep_alive, head=head, content_type=result[2])
+            media_type = result[2] if len(result) == 3 else _JSON_TYPE
+            data = render(status, payload, close=not keep_alive, head=head, content_type=media_type)
         write_behind = self._write_behind
         if write_behind is not None and self._fd >= 0:
             write_behind.sender_send(self._fd, data)
