@@ -13,6 +13,23 @@ class WorkerRole(StrEnum):
     DECODE = "decode"
 
 
+class EngineCapabilities(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """What an engine honours beyond the basic sampling fields (temperature, top_p, top_k, seed,
+    max/min tokens, stop, ignore_eos, n). The frontend answers 400, naming the field, when a
+    request asks for something its model's engine does not advertise here: no field is ever
+    accepted and silently dropped.
+    """
+
+    logprobs: bool = False
+    max_top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    min_p: bool = False
+    repetition_penalty: bool = False
+    presence_penalty: bool = False
+    frequency_penalty: bool = False
+    guided_decoding: bool = False
+
+
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a frontend needs to serve a model from a worker.
 
@@ -36,3 +53,4 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer_checksum: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    capabilities: EngineCapabilities = msgspec.field(default_factory=EngineCapabilities)

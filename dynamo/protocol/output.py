@@ -31,6 +31,13 @@ class WorkerPlacement(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefill_dp_rank: int | None = None
 
 
+class TopLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One alternative at a position: token id and its log-probability (most likely first)."""
+
+    token_id: int
+    logprob: float
+
+
 class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     """One chunk of an engine's stream.
 
@@ -46,6 +53,13 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False
     disaggregated_params: DisaggregatedParams | None = None
     index: int | None = None
     placement: WorkerPlacement | None = None
+    # Set only when the request asked for them (OutputOptions): one entry per token of
+    # ``token_ids`` (the chosen token's log-probability) and, per token, its top alternatives.
+    log_probs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    # Prompt log-probabilities (OutputOptions.prompt_logprobs), on the first chunk only; the
+    # first prompt token has none (``None``).
+    prompt_logprobs: list[float | None] | None = None
 
     @property
     def is_terminal(self) -> bool:

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from dynamo.protocol.disagg import DisaggregatedParams
+
+
+class GuidedDecodingOptions(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """Constrained decoding (spec 000, request side): exactly one field is set.
+
+    ``json`` is a JSON schema (``response_format: json_schema`` or ``nvext.guided_json``);
+    ``json_object`` asks for any JSON object (``response_format: json_object``); ``regex``,
+    ``choice`` and ``grammar`` (EBNF, as xgrammar/llguidance read it) come from ``nvext``.
+    An engine that cannot honour it must not advertise ``guided_decoding`` in its card.
+    """
+
+    json: Any | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -13,10 +31,26 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     greedy: bool = False
     n: int = 1
+    guided_decoding: GuidedDecodingOptions | None = None
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What the engine returns beside tokens.
+
+    ``logprobs``: when set, every chunk carries the log-probability of each generated token and
+    the ``logprobs`` most likely alternatives (0 = only the chosen token's). ``prompt_logprobs``
+    likewise for the prompt tokens (needed by completions ``echo`` with ``logprobs``).
+    """
+
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -58,6 +92,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str | None = None
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     routing: RoutingHints | None = None
     annotations: list[str] = msgspec.field(default_factory=list)
