@@ -26,7 +26,13 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from dynamo.preprocess.tokenizer import Tokenizer  # noqa: E402
 from dynamo.protocol.request import GuidedDecodingOptions  # noqa: E402
-from dynamo.pytorch.guided import GuidedDecoder, GuidedMatcher  # noqa: E402
+from dynamo.pytorch.guided import (  # noqa: E402
+    GuidedDecoder,
+    GuidedMatcher,
+    _mask_by_shifts,
+    _mask_on_cpu,
+    apply_token_bitmask_,
+)
 from dynamo.runtime.errors import InvalidArgument  # noqa: E402
 
 EOS = 0
@@ -293,3 +299,24 @@ def test_bf16_logits_and_fill_bitmask_rows(decoder: GuidedDecoder) -> None:
     assert torch.equal(torch.isfinite(logits), matcher.allowed_mask())
     with pytest.raises(ValueError):
         matcher.fill_bitmask(torch.zeros(1, 3, dtype=torch.int32), 0)
+
+
+def test_cpu_and_device_unpacking_agree_bit_for_bit() -> None:
+    generator = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 40), dtype=torch.int32, generator=generator)
+    bitmask[0] = -1  # all allowed, bit 31 included
+    bitmask[1] = 0
+    bitmask[2, 0] = -(2**31)  # only bit 31 of word 0
+    logits = torch.randn(4, 40 * 32 - 5, generator=generator)
+    on_cpu, by_shifts = logits.clone(), logits.clone()
+    _mask_on_cpu(on_cpu, bitmask)
+    _mask_by_shifts(by_shifts, bitmask)
+    assert torch.equal(on_cpu, by_shifts)
+    expected = [
+        [bool(int(bitmask[row, token // 32]) >> (token % 32) & 1) for token in range(40 * 32 - 5)]
+        for row in range(4)
+    ]
+    assert torch.isfinite(on_cpu).tolist() == expected
+    assert torch.equal(on_cpu[0], logits[0])
+    with pytest.raises(ValueError):
+        apply_token_bitmask_(logits, bitmask[:, :30])
