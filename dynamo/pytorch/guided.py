@@ -39,12 +39,21 @@ JSON is generated compact by default (``whitespace_flexible=False``): with flexi
 a model (or random logits) can emit whitespace forever, a known failure mode of JSON grammars.
 
 Threads: :meth:`GuidedDecoder.matcher` may run on any thread (the cache has a lock and
-llguidance drops the GIL while compiling): call it at admission, off the step thread. A
-:class:`GuidedMatcher` belongs to one sequence and is used by one thread at a time.
+llguidance drops the GIL while compiling): call it at admission, off the step thread
+(:meth:`GuidedDecoder.matcher_async` on an event loop). A :class:`GuidedMatcher` belongs to one
+sequence and is used by one thread at a time.
+
+For the engine: mask after the other logits processors that add -inf (min_tokens' EOS ban,
+penalties) and before temperature/top-k/top-p, so those renormalise over allowed tokens only;
+a grammar's end overrides ``min_tokens`` and ``ignore_eos`` (the output must parse); stop
+tokens other than the decoder's EOS ids are never allowed by the mask; a preempted sequence
+that is recomputed keeps its matcher (the tokens it accepted are still its output), and
+``n > 1`` takes one matcher per choice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
@@ -242,6 +251,12 @@ class GuidedDecoder:
         """int32 words in one bitmask row."""
         return self._words
 
+    @property
+    def cached(self) -> int:
+        """How many compiled grammars the cache holds."""
+        with self._lock:
+            return len(self._cache)
+
     def allocate_bitmask(self, batch: int) -> torch.Tensor:
         """A CPU int32 bitmask ``[batch, bitmask_words]``, all tokens allowed."""
         return torch.full((batch, self._words), -1, dtype=torch.int32)
@@ -250,14 +265,12 @@ class GuidedDecoder:
         """A fresh matcher for one sequence; raises :class:`InvalidArgument` on a bad grammar.
 
         The first request with given options compiles them (about a millisecond for a typical
-        schema, longer for large grammars: call this at admission, off the step thread); later
-        ones copy the cached compiled state (microseconds).
+        schema, longer for large grammars: call this at admission, off the step thread, or use
+        :meth:`matcher_async` on an event loop); later ones copy the cached compiled state
+        (microseconds).
         """
-        key = msgspec.json.encode(options, order="sorted")
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
+        key = _key(options)
+        compiled = self._cached(key)
         if compiled is None:
             compiled = self._compile(options)
             with self._lock:
@@ -266,6 +279,21 @@ class GuidedDecoder:
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return GuidedMatcher(compiled.deep_copy(), self)
+
+    async def matcher_async(self, options: GuidedDecodingOptions) -> GuidedMatcher:
+        """:meth:`matcher` for an event loop: a cached grammar is copied inline, a new one is
+        compiled in a worker thread so the loop never waits on a compile."""
+        compiled = self._cached(_key(options))
+        if compiled is not None:
+            return GuidedMatcher(compiled.deep_copy(), self)
+        return await asyncio.to_thread(self.matcher, options)
+
+    def _cached(self, key: bytes) -> llguidance.LLMatcher | None:
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
 
     def apply_masks(self, logits: torch.Tensor, matchers: Sequence[GuidedMatcher | None]) -> bool:
         """Mask every guided row of ``logits`` ``[batch, vocab]`` in place, in one batched call.
@@ -342,6 +370,11 @@ class GuidedDecoder:
             )
         except ValueError as exc:
             raise InvalidArgument(f"invalid guided json schema: {_short(str(exc))}") from exc
+
+
+def _key(options: GuidedDecodingOptions) -> bytes:
+    """The cache key: the options' canonical JSON (object keys sorted)."""
+    return msgspec.json.encode(options, order="sorted")
 
 
 def _schema(value: Any) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def decoder(tokenizer: Tokenizer) -> GuidedDecoder:
 
 
 def sample(
-    decoder: GuidedDecoder, matcher: GuidedMatcher, tokenizer: Tokenizer, seed: int
+    decoder: GuidedDecoder, matcher: GuidedMatcher, tokenizer: Tokenizer, seed: int, eos: int = EOS
 ) -> str | None:
     """Decoded text of one guided sample, or None if it ran past MAX_TOKENS."""
     generator = torch.Generator().manual_seed(seed)
@@ -89,7 +89,7 @@ def sample(
         token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=generator))
         assert token < tokenizer.vocab_size, "a padding id was sampled"
         assert matcher.accept_token(token), matcher.error
-        if token == EOS:
+        if token == eos:
             break
         ids.append(token)
         if matcher.is_terminated():
@@ -101,9 +101,13 @@ def sample(
 
 
 def samples(
-    decoder: GuidedDecoder, tokenizer: Tokenizer, options: GuidedDecodingOptions, n: int
+    decoder: GuidedDecoder,
+    tokenizer: Tokenizer,
+    options: GuidedDecodingOptions,
+    n: int,
+    eos: int = EOS,
 ) -> list[str]:
-    texts = [sample(decoder, decoder.matcher(options), tokenizer, seed) for seed in range(n)]
+    texts = [sample(decoder, decoder.matcher(options), tokenizer, seed, eos) for seed in range(n)]
     finished = [text for text in texts if text is not None]
     assert len(finished) == n, f"{n - len(finished)} samples ran past {MAX_TOKENS} tokens"
     return finished
@@ -144,6 +148,34 @@ def test_json_schema_as_text(decoder: GuidedDecoder, tokenizer: Tokenizer) -> No
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}
     for text in samples(decoder, tokenizer, GuidedDecodingOptions(json=json.dumps(schema)), 10):
         jsonschema.validate(json.loads(text), schema)
+
+
+def _sentencepiece_tokenizer() -> Tokenizer:
+    """Llama-2 / Mistral style: Metaspace pieces, byte fallback for anything else (so 'é' and
+    '你' exist only as <0xNN> byte tokens), EOS ``</s>``."""
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    pieces += [(f"<0x{byte:02X}>", 0.0) for byte in range(256)]
+    pieces += [(char, -5.0) for char in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("▁", -4.0), ("▁" + "name", -2.0), ('":', -2.0), ('"', -3.0), ("true", -2.0)]
+    raw = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    raw.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(raw)
+
+
+def test_byte_fallback_tokenizer() -> None:
+    tokenizer = _sentencepiece_tokenizer()
+    eos = tokenizer.token_to_id("</s>")
+    assert eos is not None
+    decoder = GuidedDecoder(tokenizer, tokenizer.vocab_size + 3, [eos])
+    for text in samples(decoder, tokenizer, GuidedDecodingOptions(json=SCHEMA), 20, eos):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    choices = ["café 你好", "hello world", "naïve"]
+    texts = samples(decoder, tokenizer, GuidedDecodingOptions(choice=choices), 20, eos)
+    assert set(texts) == set(choices)
 
 
 def test_json_object_samples_parse_to_objects(decoder: GuidedDecoder, tokenizer: Tokenizer) -> None:
@@ -268,6 +300,28 @@ def test_cached_grammar_gives_independent_matchers(
         assert first.accept_token(token)
     assert first.is_terminated() and not second.is_accepting()
     assert second.allowed_mask()[tokenizer.encode("no")[0]]
+
+
+async def test_matcher_async_compiles_off_the_loop_and_reports_errors(
+    decoder: GuidedDecoder, tokenizer: Tokenizer
+) -> None:
+    options = GuidedDecodingOptions(regex=r"async-[0-9]")
+    first = await decoder.matcher_async(options)
+    second = await decoder.matcher_async(options)  # cached: copied inline
+    for token in tokenizer.encode("async-7"):
+        assert first.accept_token(token)
+    assert first.is_terminated() and not second.is_accepting()
+    with pytest.raises(InvalidArgument):
+        await decoder.matcher_async(GuidedDecodingOptions(regex="(("))
+
+
+def test_cache_evicts_least_recently_used(tokenizer: Tokenizer) -> None:
+    decoder = GuidedDecoder(tokenizer, tokenizer.vocab_size, [EOS], cache_size=2)
+    a, b, c = (GuidedDecodingOptions(choice=[word]) for word in ("a", "b", "c"))
+    for options in (a, b, a, c):  # b is the least recently used when c arrives
+        decoder.matcher(options)
+    assert decoder.cached == 2
+    assert decoder.matcher(a).allowed_mask()[tokenizer.encode("a")[0]]
 
 
 def test_apply_masks_batches_guided_rows_and_leaves_others(
