@@ -321,6 +321,21 @@ class GuidedDecoder:
             logits.index_copy_(0, index, guided)
         return True
 
+    def accept_tokens(
+        self, matchers: Sequence[GuidedMatcher | None], tokens: Sequence[int]
+    ) -> list[bool]:
+        """:meth:`GuidedMatcher.accept_token` for every guided row of a step, on llguidance's
+        threads; an unguided row (None) accepts anything."""
+        if len(matchers) != len(tokens):
+            raise ValueError(f"{len(matchers)} matchers for {len(tokens)} tokens")
+        rows = [index for index, matcher in enumerate(matchers) if matcher is not None]
+        accepted = [True] * len(tokens)
+        if rows:
+            pairs = [(matchers[index].raw, tokens[index]) for index in rows]  # type: ignore[union-attr]
+            for index, ok in zip(rows, self._executor.consume_token_par(pairs), strict=True):
+                accepted[index] = bool(ok)
+        return accepted
+
     def _compile(self, options: GuidedDecodingOptions) -> llguidance.LLMatcher:
         kind, grammar = self._grammar(options)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)

@@ -343,6 +343,16 @@ def test_apply_masks_batches_guided_rows_and_leaves_others(
         decoder.apply_masks(logits, [regex])
 
 
+def test_accept_tokens_batches_guided_rows(decoder: GuidedDecoder, tokenizer: Tokenizer) -> None:
+    digits = decoder.matcher(GuidedDecodingOptions(regex=r"[0-9]+"))
+    word = decoder.matcher(GuidedDecodingOptions(choice=["yes"]))
+    seven, x = tokenizer.encode("7")[0], tokenizer.encode("x")[0]
+    assert decoder.accept_tokens([digits, None, word], [seven, x, x]) == [True, True, False]
+    assert digits.is_accepting() and word.error is not None
+    with pytest.raises(ValueError):
+        decoder.accept_tokens([digits], [seven, seven])
+
+
 def test_bf16_logits_and_fill_bitmask_rows(decoder: GuidedDecoder) -> None:
     matcher = decoder.matcher(GuidedDecodingOptions(regex=r"[0-9]+"))
     bitmask = decoder.allocate_bitmask(2)
