@@ -210,6 +210,9 @@ class GuidedDecoder:
     complete. ``cache_size``: compiled grammars kept (LRU by options). ``whitespace_flexible``:
     allow free whitespace in JSON (off: compact JSON, see the module doc). ``num_threads``:
     threads that compute a batch's masks (llguidance's default when None).
+
+    Raises ValueError when llguidance cannot read the tokenizer (then the engine serves without
+    guided decoding and must not advertise it).
     """
 
     def __init__(
