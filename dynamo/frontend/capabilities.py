@@ -144,13 +144,14 @@ def _check_frontend_fields(req: ChatCompletionRequest | CompletionRequest) -> No
     for annotation in nv.annotations or ():
         if annotation not in SUPPORTED_ANNOTATIONS:
             raise InvalidArgument(
-                f"unknown annotation {annotation!r}; supported: {', '.join(SUPPORTED_ANNOTATIONS)}",
+                f"unknown nvext.annotations entry {annotation!r}; supported: "
+                f"{', '.join(SUPPORTED_ANNOTATIONS)}",
                 param="nvext.annotations",
             )
     for extra in nv.extra_fields or ():
         if extra not in SUPPORTED_EXTRA_FIELDS:
             raise InvalidArgument(
-                f"unsupported extra field {extra!r}; supported: "
+                f"unsupported nvext.extra_fields entry {extra!r}; supported: "
                 f"{', '.join(SUPPORTED_EXTRA_FIELDS)}",
                 param="nvext.extra_fields",
             )

@@ -211,7 +211,7 @@ def test_sampling_fields_in_nvext_and_top_level(client: openai.OpenAI) -> None:
         max_tokens=4,
         extra_body={
             "top_k": 5,
-            "repetition_penalty": 1.1,
+            "repetition_penalty": 1.0,  # neutral: the mocker honours no penalty (else a 400)
             "min_tokens": 2,
             "nvext": {"top_k": 40, "greedy_sampling": True, "ignore_eos": True},
         },
