@@ -99,6 +99,10 @@ def _check_frontend_fields(req: ChatCompletionRequest | CompletionRequest) -> No
     """Fields no engine behind this frontend can honour, and NvExt names it does not know."""
     if req.logit_bias:
         raise _unsupported("logit_bias", "no engine here applies a logit bias")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise _unsupported(
+            "stream_options", "continuous_usage_stats (usage is sent once, at the end)"
+        )
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidArgument("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -107,6 +111,13 @@ def _check_frontend_fields(req: ChatCompletionRequest | CompletionRequest) -> No
             raise _unsupported(
                 "tool_choice",
                 "only 'none' and 'auto' are; forcing a tool call needs tool-call parsing",
+            )
+        if req.functions or req.function_call is not None:
+            param = "functions" if req.functions else "function_call"
+            raise _unsupported(param, "the deprecated function calling; use tools")
+        if req.audio is not None or (req.modalities and req.modalities != ["text"]):
+            raise _unsupported(
+                "audio" if req.audio is not None else "modalities", "the output is text only"
             )
         if req.parallel_tool_calls is False:
             raise _unsupported(

@@ -23,7 +23,10 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 TopK = Annotated[int, Meta(ge=-1)]  # -1 (or None): no limit
 
 
-class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
+class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """NVIDIA's extension. Unlike the OpenAI fields, an unknown key here is a 400: it is our
+    own namespace, so a key we do not know asks for something we would silently not do."""
+
     ignore_eos: bool | None = None
     top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -46,6 +49,7 @@ class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class StreamOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (refused)
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -102,6 +106,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated form of tools: refused
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None

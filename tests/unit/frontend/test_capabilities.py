@@ -115,7 +115,7 @@ def test_top_logprobs_beyond_the_engine_maximum() -> None:
         completion(best_of=1, echo=False),
         completion(n=3, best_of=3),
         chat(nvext={"annotations": ["timing", "request_id"], "extra_fields": ["worker_id"]}),
-        chat(user="someone", stream_options={"include_usage": True}),
+        chat(user="someone", stream_options={"include_usage": True}, modalities=["text"]),
     ],
 )
 def test_neutral_values_ask_for_nothing(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -131,6 +131,11 @@ NEVER = [
     (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (chat(parallel_tool_calls=False), "parallel_tool_calls"),
     (chat(logit_bias={"42": 5.0}), "logit_bias"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (completion(stream_options={"continuous_usage_stats": True}), "stream_options"),
+    (chat(function_call="auto"), "function_call"),
+    (chat(modalities=["text", "audio"]), "modalities"),
+    (chat(audio={"voice": "x", "format": "wav"}), "audio"),
     (chat(top_logprobs=2), "top_logprobs"),
     (chat(response_format={"type": "json_schema"}), "response_format"),
     (chat(nvext={"annotations": ["bogus"]}), "nvext.annotations"),
@@ -154,6 +159,15 @@ def test_unknown_response_format_type_is_a_validation_error() -> None:
     with pytest.raises(msgspec.ValidationError) as info:
         chat(response_format={"type": "yaml"})
     assert to_http(info.value).status == 400
+
+
+def test_an_unknown_nvext_key_is_a_400_naming_it() -> None:
+    with pytest.raises(msgspec.ValidationError) as info:
+        chat(nvext={"session_control": {"action": "open"}})
+    reply = to_http(info.value)
+    assert reply.status == 400
+    error = msgspec.json.decode(reply.body)["error"]
+    assert error["param"] == "nvext" and "session_control" in error["message"]
 
 
 def test_guided_decoding_from_every_place() -> None:
