@@ -143,7 +143,7 @@ class ResponseExtras:
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._cache: dict[int, tuple[str, list[int], int]] = {}
-        self._table = tokenizer.byte_table(False) if tokenizer.is_byte_level else None
+        self._table: tuple[bytes, ...] | None = None  # built on first use (echo needs none)
 
     def token(self, token_id: int) -> tuple[str, list[int], int]:
         """A token's text (special tokens by name), its UTF-8 bytes, and the length it adds to
@@ -154,6 +154,8 @@ class ResponseExtras:
             decode = self._tokenizer.decode
             text = decode([token_id], skip_special_tokens=False)
             table = self._table
+            if table is None and self._tokenizer.is_byte_level:
+                table = self._table = self._tokenizer.byte_table(False)
             data = table[token_id] if table is not None and 0 <= token_id < len(table) else b""
             hit = (text, list(data or text.encode("utf-8")), len(decode([token_id])))
             if len(self._cache) < 65536:

@@ -338,3 +338,35 @@ async def test_fields_reach_an_engine_that_advertises_them(stack: Stack) -> None
     # beyond the engine's advertised maximum: refused by name
     r = await client.post("/v1/completions", json={**body, "logprobs": 6})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+async def test_logprobs_end_where_a_stop_string_ends_the_text(mocker: openai.AsyncOpenAI) -> None:
+    full = await mocker.completions.create(model="demo", prompt="abc", max_tokens=30, seed=11)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and stop in text
+    for stream in (False, True):
+        kw: dict[str, Any] = dict(
+            model="demo", prompt="abc", max_tokens=30, seed=11, stop=[stop], logprobs=1
+        )
+        tokens: list[str] = []
+        got, usage_tokens = "", 0
+        if stream:
+            chunks = await mocker.completions.create(
+                **kw, stream=True, stream_options={"include_usage": True}
+            )
+            async for chunk in chunks:
+                for c in chunk.choices:
+                    got += c.text
+                    if c.logprobs is not None:
+                        tokens += c.logprobs.tokens or []
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+        else:
+            r = await mocker.completions.create(**kw)
+            got = r.choices[0].text
+            assert r.choices[0].logprobs is not None and r.usage is not None
+            tokens, usage_tokens = r.choices[0].logprobs.tokens or [], r.usage.completion_tokens
+        assert got == text[: text.find(stop)]
+        # one entry per token the answer consumed: up to the one that completed the stop string
+        assert len(tokens) == usage_tokens < 30
