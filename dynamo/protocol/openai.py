@@ -3,8 +3,9 @@
 Requests are decoded with validation (ranges via ``msgspec.Meta``); unknown top-level fields are
 ignored, as OpenAI clients send many optional ones, but every field that would change the answer
 is declared here, so that the frontend either honours it or refuses it by name
-(``frontend/capabilities.py``); unknown ``nvext`` keys are a 400. Sampling fields that vLLM and aiperf send at the top level
-(top_k, repetition_penalty, min_tokens, ignore_eos, ...) are accepted there as well as in nvext.
+(``frontend/capabilities.py``); unknown ``nvext`` keys are a 400. Sampling fields that vLLM and
+aiperf send at the top level (top_k, repetition_penalty, min_tokens, ignore_eos, ...) are accepted
+there as well as in nvext.
 """
 
 from __future__ import annotations
