@@ -267,6 +267,7 @@ class GenerateHandler:
         if wants_timing(req):
             out["timing"] = timing_info(
                 started=stats.started_at,
+                dispatched_at=stats.choices[0].dispatched_at,
                 first_token_at=stats.first_token_at,
                 prompt_tokens=stats.prompt_tokens,
                 cached_tokens=stats.cached_tokens,

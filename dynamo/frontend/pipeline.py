@@ -63,6 +63,7 @@ class ChoiceStats:
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
 
@@ -118,6 +119,7 @@ async def stream_choice(
     stats.prompt_tokens = len(request.token_ids)
     selection = pipeline.router.select(request, _candidates(entry))
     stats.selection = selection
+    stats.dispatched_at = time.monotonic()
     if selection.dp_rank is not None:
         hints = request.routing or RoutingHints()
         hints.dp_rank = selection.dp_rank

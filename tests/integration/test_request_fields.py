@@ -191,6 +191,9 @@ async def test_timing_annotation(stack: Stack, mocker: openai.AsyncOpenAI) -> No
     timing = r.json()["nvext"]["timing"]
     assert before - 1000 <= timing["request_received_ms"] <= time.time() * 1000 + 1000
     assert 0 <= timing["ttft_ms"] <= timing["total_time_ms"]
+    assert 0 <= timing["prefill_wait_time_ms"] <= timing["ttft_ms"]
+    parts = timing["prefill_wait_time_ms"] + timing["prefill_time_ms"]
+    assert abs(parts - timing["ttft_ms"]) < 0.01
 
     body = {**body, "stream": True, "nvext": {"extra_fields": ["timing"]}}
     async with stack.client.stream("POST", "/v1/completions", json=body) as s:
