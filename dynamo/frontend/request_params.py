@@ -1,5 +1,7 @@
 """From an OpenAI request to engine requests: sampling and stop fields (top level or nvext),
-routing hints, annotations, n choices and prompt batches."""
+guided decoding (``response_format``, ``guided_*``), log-probabilities (``logprobs``,
+``top_logprobs``, ``echo``), routing hints, annotations, n choices and prompt batches. Whether
+the serving engine can honour them is ``capabilities.check_supported``'s question."""
 
 from __future__ import annotations
 
