@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo.frontend.capabilities import check_supported, serving_capabilities
 from dynamo.frontend.errors import error_payload, to_http
+from dynamo.frontend.logprobs import TokenLogprobs, response_extras
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import (
     ChoiceDelta,
@@ -19,7 +21,7 @@ from dynamo.frontend.pipeline import (
     RunStats,
     run_choices,
 )
-from dynamo.frontend.request_params import prepare_request, wants
+from dynamo.frontend.request_params import prepare_request, wants, wants_timing
 from dynamo.frontend.streaming import (
     DONE,
     JSON_HEADERS,
@@ -30,6 +32,7 @@ from dynamo.frontend.streaming import (
     sse,
     usage,
 )
+from dynamo.frontend.timing import timing_info
 from dynamo.observability.metrics import FrontendMetrics, observe_many
 from dynamo.preprocess import Prepared
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -120,21 +123,24 @@ class GenerateHandler:
                 # Only served model names become metric labels: a client naming arbitrary
                 # models must not grow the label set without bound.
                 model = req.model
+                check_supported(req, serving_capabilities(entry.cards_of(entry.serving_role())))
                 prepared = prepare_request(entry.pipeline.preprocessor, req, engine_id)
+                extras = response_extras(req, prepared, entry.pipeline.preprocessor.tokenizer)
             except Exception as exc:
                 self._fail(http, exc, model, endpoint, request_type, id_headers)
                 return
             created = int(time.time())
             fmt: Formatter
             if isinstance(req, ChatCompletionRequest):
-                fmt = ChatFormatter(f"chatcmpl-{request_id}", req.model, created)
+                fmt = ChatFormatter(f"chatcmpl-{request_id}", req.model, created, extras)
             else:
-                fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created)
+                fmt = CompletionFormatter(f"cmpl-{request_id}", req.model, created, extras)
             ctx = Context(engine_id)
             self._contexts.add(ctx)
             stats = RunStats(
                 [ChoiceStats() for _ in prepared],
                 prompt_tokens=sum(p.num_prompt_tokens for p in prepared) // req.n,
+                started_at=started,
             )
             self._m.active_requests.labels(model).inc()
             self._m.inflight_requests.labels(model).inc()
@@ -189,7 +195,7 @@ class GenerateHandler:
             await sink.send(b"".join(head))
             async for delta in deltas:
                 if delta.token_ids is None and delta.finish_reason is None:
-                    await sink.send(fmt.delta_chunk(delta.index, delta.text, None))
+                    await sink.send(fmt.delta_chunk(delta.index, delta.text, None, delta.logprobs))
                 else:
                     await sink.send(b"".join(self._delta_chunks(fmt, delta, want_ids)))
             tail: list[bytes] = []
@@ -222,7 +228,7 @@ class GenerateHandler:
         out: list[bytes] = []
         if delta.token_ids is not None and want_ids:
             out.append(fmt.extra_chunk({"token_ids": delta.token_ids}, "token_ids"))
-        out.append(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason))
+        out.append(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason, delta.logprobs))
         return out
 
     def _count_disconnect(self, model: str, endpoint: str, request_type: str) -> None:
@@ -254,12 +260,19 @@ class GenerateHandler:
 
     def _final_extras(self, req: Any, stats: RunStats) -> dict[str, object] | None:
         fields = (req.nvext.extra_fields or []) if req.nvext else []
-        if "worker_id" not in fields:
-            return None
+        out: dict[str, object] = {}
         sel = stats.choices[0].selection
-        if sel is None:
-            return None
-        return {"worker_id": {"decode_worker_id": sel.instance_id, "decode_dp_rank": sel.dp_rank}}
+        if "worker_id" in fields and sel is not None:
+            out["worker_id"] = {"decode_worker_id": sel.instance_id, "decode_dp_rank": sel.dp_rank}
+        if wants_timing(req):
+            out["timing"] = timing_info(
+                started=stats.started_at,
+                dispatched_at=stats.choices[0].dispatched_at,
+                first_token_at=stats.first_token_at,
+                prompt_tokens=stats.prompt_tokens,
+                cached_tokens=stats.cached_tokens,
+            )
+        return out or None
 
     # -- unary -------------------------------------------------------------------------------
     async def _unary(
@@ -275,12 +288,14 @@ class GenerateHandler:
     ) -> tuple[str, str]:
         texts: list[list[str]] = [[] for _ in prepared]
         reasons: list[str | None] = [None] * len(prepared)
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in prepared]
         want_ids = wants(req, "token_ids")
         token_ids: list[int] = []
         disconnect = _watch_disconnect(http, ctx)
         try:
             async for delta in run_choices(entry, prepared, ctx, stats, want_token_ids=want_ids):
                 texts[delta.index].append(delta.text)
+                logprobs[delta.index].append(delta.logprobs)
                 if delta.finish_reason is not None:
                     reasons[delta.index] = delta.finish_reason
                 if delta.token_ids:
@@ -302,7 +317,8 @@ class GenerateHandler:
             nvext["token_ids"] = token_ids
         nvext.update(self._final_extras(req, stats) or {})
         u = usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-        body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None)
+        lps = [TokenLogprobs.concat(pieces) for pieces in logprobs]
+        body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None, lps)
         http.reply(200, [*JSON_HEADERS, *id_headers], body)
         return "success", ""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from dynamo.frontend.logprobs import LogprobCollector, TokenLogprobs
 from dynamo.frontend.model_registry import ModelEntry
 from dynamo.preprocess import Prepared, Preprocessor
 from dynamo.protocol.model_card import ModelCard
@@ -50,6 +51,7 @@ class ChoiceDelta:
     text: str
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    logprobs: TokenLogprobs | None = None  # set when the request asked for log-probabilities
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class ChoiceStats:
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
 
@@ -72,6 +75,7 @@ class RunStats:
 
     choices: list[ChoiceStats]
     prompt_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
 
     @property
     def completion_tokens(self) -> int:
@@ -115,12 +119,14 @@ async def stream_choice(
     stats.prompt_tokens = len(request.token_ids)
     selection = pipeline.router.select(request, _candidates(entry))
     stats.selection = selection
+    stats.dispatched_at = time.monotonic()
     if selection.dp_rank is not None:
         hints = request.routing or RoutingHints()
         hints.dp_rank = selection.dp_rank
         request.routing = hints
     client = entry.clients[entry.serving_role()]
     detok = pipeline.preprocessor.detokenizer(prepared)
+    lp = LogprobCollector.for_request(request)
     # Batches: every chunk received while we were busy is handled at once (one detokenizer
     # call, one delta, one write to the HTTP client): coalescing when the consumer is behind.
     stream = client.stream_batches(
@@ -129,7 +135,7 @@ async def stream_choice(
     first = True
     try:
         async for batch in stream:
-            token_ids, reason, error = _merge(batch, stats)
+            token_ids, reason, error = _merge(batch, stats, lp)
             if token_ids:
                 now = time.monotonic()
                 if first:
@@ -142,18 +148,19 @@ async def stream_choice(
                 res = detok.add(token_ids)
                 stats.completion_tokens = detok.num_tokens
                 ids = token_ids if want_token_ids else None
+                lps = None if lp is None else lp.take(detok.num_tokens)
                 if res.finished is not None:
-                    yield ChoiceDelta(index, res.text, "stop", ids)
+                    yield ChoiceDelta(index, res.text, "stop", ids, lps)
                     if reason is None:
                         await _drain_after_stop(stream, ctx, stats)
                     return
                 if reason is None:
-                    if res.text or ids:
-                        yield ChoiceDelta(index, res.text, None, ids)
+                    if res.text or ids or (lps is not None and lps.token_ids):
+                        yield ChoiceDelta(index, res.text, None, ids, lps)
                     continue
                 text = res.text
             else:
-                ids = None
+                ids = lps = None
                 text = ""
                 if reason is None:
                     continue
@@ -162,7 +169,9 @@ async def stream_choice(
             if reason is FinishReason.CANCELLED:
                 raise Cancelled("the engine cancelled the request")
             text += detok.flush().text
-            yield ChoiceDelta(index, text, _FINISH[reason], ids)
+            if lp is not None and lps is None:
+                lps = lp.take(detok.num_tokens)
+            yield ChoiceDelta(index, text, _FINISH[reason], ids, lps)
             return
     finally:
         await stream.aclose()
@@ -170,13 +179,16 @@ async def stream_choice(
 
 
 def _merge(
-    batch: list[bytes], stats: ChoiceStats
+    batch: list[bytes], stats: ChoiceStats, lp: LogprobCollector | None = None
 ) -> tuple[list[int], FinishReason | None, str | None]:
     """Decode a batch of engine chunks: their tokens, and the terminal's reason and error (a
-    terminal is always the stream's last chunk). Records cached tokens from usage."""
+    terminal is always the stream's last chunk). Records cached tokens from usage, and
+    log-probabilities into ``lp``."""
     decode = _output_decoder.decode
     if len(batch) == 1:
         out = decode(batch[0])
+        if lp is not None:
+            lp.add(out)
         if out.usage is not None and out.usage.cached_tokens is not None:
             stats.cached_tokens = out.usage.cached_tokens
         return out.token_ids, out.finish_reason, out.error
@@ -185,6 +197,8 @@ def _merge(
     error: str | None = None
     for raw in batch:
         out = decode(raw)
+        if lp is not None:
+            lp.add(out)
         token_ids += out.token_ids
         if out.usage is not None and out.usage.cached_tokens is not None:
             stats.cached_tokens = out.usage.cached_tokens
