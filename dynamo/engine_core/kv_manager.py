@@ -56,6 +56,7 @@ class KVManager:
         self._inactive: OrderedDict[int, None] = OrderedDict()
         self._unique: set[int] = set()
         self._slots: dict[int, int] = {}  # full block hash -> its slot
+        self._locals: dict[int, int] = {}  # full block hash -> its local (tokens) hash
         # Free slots, popped from the end: lowest ids first, so a fresh pool fills in order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._events: list[KVCacheEvent] = []
@@ -79,6 +80,10 @@ class KVManager:
     def slot_of(self, block_hash: int) -> int:
         """The physical slot of a cached full block (``KeyError`` if it is not cached)."""
         return self._slots[block_hash]
+
+    def local_hash_of(self, block_hash: int) -> int:
+        """The local (tokens) hash of a cached full block (``KeyError`` if not cached)."""
+        return self._locals[block_hash]
 
     def block_table(self, full_blocks: Sequence[int], unique_blocks: Sequence[int]) -> list[int]:
         """Slots of a sequence's blocks, in token order (its full blocks lead, as in
@@ -141,6 +146,7 @@ class KVManager:
         for k, i in enumerate(new):
             self._active[block_hashes[i]] = 1
             self._slots[block_hashes[i]] = self._free_slots.pop()
+            self._locals[block_hashes[i]] = local_hashes[i]
             run.append(StoredBlock(block_hash=block_hashes[i], tokens_hash=local_hashes[i]))
             if k + 1 == len(new) or new[k + 1] != i + 1:
                 start = i + 1 - len(run)
@@ -194,6 +200,7 @@ class KVManager:
                 continue
             self._active[h] = 1
             self._slots[h] = unique_id
+            self._locals[h] = local
             run.append(StoredBlock(block_hash=h, tokens_hash=local))
         if run:
             self._emit(BlocksStored(parent_hash=run_parent, blocks=run))
@@ -228,6 +235,7 @@ class KVManager:
         assert used <= self.num_blocks, f"{used} blocks > capacity {self.num_blocks}"
         assert used + len(self._free_slots) == self.num_blocks, "leaked slots"
         assert self._slots.keys() == self._active.keys() | self._inactive.keys(), "slotless block"
+        assert self._locals.keys() == self._slots.keys(), "block without its local hash"
         taken = [*self._slots.values(), *self._unique, *self._free_slots]
         assert len(set(taken)) == self.num_blocks == len(taken), "slot used twice"
         if not self.enable_prefix_caching:
@@ -241,6 +249,7 @@ class KVManager:
         while free < n:
             h, _ = self._inactive.popitem(last=False)
             self._free_slots.append(self._slots.pop(h))
+            del self._locals[h]
             evicted.append(h)
             free += 1
         if evicted:
