@@ -102,7 +102,11 @@ def build(arch: str, root: Path) -> Path:
     if arch == "qwen2":  # biases start at zero: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0.0, 0.2)
     if arch == "qwen3":
         with torch.no_grad():

@@ -1,0 +1,26 @@
+"""Tiny random models for the PyTorch engine's tests (built once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.tiny_models import build  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    torch.set_num_threads(1)  # 2 shared cores: one thread keeps tests fast and predictable
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3", tmp_path_factory.getbasetemp())
