@@ -87,8 +87,6 @@ class SamplingParams:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if request.output.prompt_logprobs is not None:
             raise InvalidArgument("prompt_logprobs is not supported by the pytorch engine")
-        if s.n != 1:
-            raise InvalidArgument("n > 1 reaches the engine as n separate requests")
         return p
 
 

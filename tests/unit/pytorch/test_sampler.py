@@ -106,7 +106,6 @@ def test_params_from_request_validate() -> None:
         {"min_p": 2.0},
         {"repetition_penalty": 0.0},
         {"presence_penalty": 3.0},
-        {"n": 2},
     ):
         with pytest.raises(InvalidArgument):
             SamplingParams.from_request(req(**bad))
