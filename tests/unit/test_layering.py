@@ -1,8 +1,9 @@
 """The import layering of ARCHITECTURE.md, checked on the source (no imports executed).
 
 protocol <- runtime <- {preprocess, router, backend, observability} <- engine_core (the shared
-scheduler and KV block manager) <- {frontend, mocker, pytorch, slot_tracker, bench}. ``protocol`` imports only the standard library and msgspec.
-Nothing imports frontend, mocker or an engine package (except their own modules and the
+scheduler and KV block manager) <- {frontend, mocker, pytorch, slot_tracker, bench}.
+``protocol`` imports only the standard library and msgspec. ``engine_core`` imports only
+protocol, runtime and router; only ``pytorch`` imports torch. Nothing imports frontend, mocker or an engine package (except their own modules and the
 top-level CLI / serve composition roots). ``router`` never imports a concrete event-plane backend.
 """
 
