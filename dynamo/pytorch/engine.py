@@ -229,7 +229,7 @@ class TorchEngine(LLMEngine):
         loaded = self._require_loaded()
         return await self._call(lambda: loaded.import_blocks(self._scheduler(), blocks))
 
-    def _require_loaded(self) -> Any:
+    def _require_loaded(self) -> LoadedModel:
         if self.loaded is None or self._thread is None:
             raise EngineShutdown("the pytorch engine is not running")
         return self.loaded

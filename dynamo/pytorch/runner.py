@@ -15,7 +15,6 @@ import torch
 
 from dynamo.engine_core.kv_manager import KVManager
 from dynamo.engine_core.scheduler import ScheduledBatch
-from dynamo.engine_core.sequence import Sequence
 from dynamo.pytorch.attention import AttentionMetadata, PrefillSpan
 from dynamo.pytorch.kv_cache import KVCache
 from dynamo.pytorch.model import CausalLM
@@ -155,8 +154,3 @@ class ModelRunner:
         keys = torch.arange(width * bs, device=dev).unsqueeze(0)
         lengths = torch.tensor(lens, dtype=torch.int64, device=dev).unsqueeze(1)
         meta.decode_mask = (keys < lengths).view(len(rows), 1, 1, width * bs)
-
-
-def sequence_sampler_rows(seq: Sequence) -> tuple[list[int], list[int]]:
-    """Prompt and output tokens of ``seq`` (what penalties look at)."""
-    return seq.tokens[: seq.num_prompt_tokens], seq.tokens[seq.num_prompt_tokens :]

@@ -3,8 +3,9 @@
 protocol <- runtime <- {preprocess, router, backend, observability} <- engine_core (the shared
 scheduler and KV block manager) <- {frontend, mocker, pytorch, slot_tracker, bench}.
 ``protocol`` imports only the standard library and msgspec. ``engine_core`` imports only
-protocol, runtime and router; only ``pytorch`` imports torch. Nothing imports frontend, mocker or an engine package (except their own modules and the
-top-level CLI / serve composition roots). ``router`` never imports a concrete event-plane backend.
+protocol, runtime and router; only ``pytorch`` imports torch. Nothing imports frontend, mocker
+or an engine package (except their own modules and the top-level CLI / serve composition
+roots). ``router`` never imports a concrete event-plane backend.
 """
 
 from __future__ import annotations
