@@ -1,7 +1,7 @@
 """The KV block pool tensors, and the export / import of blocks (disaggregation's payload).
 
-One K and one V tensor per layer, ``[num_blocks, block_size, kv_heads, head_dim]``; the slot
-numbers of ``dynamo.engine_core.KVManager`` index their first dimension.
+One K and one V tensor per layer, ``[kv_heads, num_blocks, block_size, head_dim]`` (head-major:
+see ``attention``); the slot numbers of ``dynamo.engine_core.KVManager`` index dimension 1.
 
 Export format: ``KVBlocks`` = a ``KVLayout`` (what the bytes mean) + the blocks' sequence
 hashes + the bytes, laid out as::
@@ -53,7 +53,7 @@ class KVCache:
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int, device: torch.device) -> KVCache:
         dtype = _DTYPES[layout.dtype]
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
         pools = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -66,7 +66,8 @@ class KVCache:
     def export_slots(self, slots: list[int]) -> bytes:
         """The K/V bytes of ``slots``, in the module docstring's order."""
         index = torch.tensor(slots, dtype=torch.int64, device=self.pools[0][0].device)
-        parts = [t.index_select(0, index) for pair in self.pools for t in pair]
+        # [kv_heads, n, block_size, head_dim] -> block-major [n, block_size, kv_heads, head_dim]
+        parts = [t.index_select(1, index).permute(1, 2, 0, 3) for pair in self.pools for t in pair]
         flat = torch.cat([p.reshape(-1) for p in parts]).cpu().view(torch.uint8).clone()
         return bytes(flat.untyped_storage())  # a fresh tensor: its storage is exactly it
 
@@ -84,7 +85,8 @@ class KVCache:
         index = torch.tensor(slots, dtype=torch.int64, device=device)
         chunk = len(slots) * per_block
         for i, t in enumerate(t for pair in self.pools for t in pair):
-            t.index_copy_(0, index, flat[i * chunk : (i + 1) * chunk].view(shape))
+            blocks = flat[i * chunk : (i + 1) * chunk].view(shape).permute(2, 0, 1, 3)
+            t.index_copy_(1, index, blocks)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -113,7 +113,7 @@ class ModelRunner:
             prefills=prefills,
             decode_rows=None,
             decode_tables=None,
-            decode_mask=None,
+            decode_bias=None,
         )
         if decode_rows:
             self._decode_metadata(meta, decode_rows, decode_tables, decode_lens)
@@ -153,4 +153,7 @@ class ModelRunner:
         meta.decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)
         keys = torch.arange(width * bs, device=dev).unsqueeze(0)
         lengths = torch.tensor(lens, dtype=torch.int64, device=dev).unsqueeze(1)
-        meta.decode_mask = (keys < lengths).view(len(rows), 1, 1, width * bs)
+        bias = torch.zeros(len(rows), width * bs, dtype=torch.float32, device=dev)
+        meta.decode_bias = bias.masked_fill_(keys >= lengths, float("-inf")).view(
+            1, len(rows), 1, width * bs
+        )
