@@ -18,7 +18,7 @@ SPECIAL = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _built: dict[str, Path] = {}
 
 _TEXT = [
@@ -76,6 +76,8 @@ def _config(arch: str, vocab: int, eos: int, bos: int) -> object:
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
@@ -97,7 +99,7 @@ def build(arch: str, root: Path) -> Path:
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     config = _config(arch, vocab, ids["<|eot_id|>"], ids["<|begin_of_text|>"])
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[arch])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch])
     model = transformers.AutoModelForCausalLM.from_config(config)
     if arch == "qwen2":  # biases start at zero: make them matter
         with torch.no_grad():

@@ -71,6 +71,8 @@ def load_model(config: TorchEngineConfig) -> LoadedModel:
     dtype = _DTYPES[config.dtype]
     mcfg = ModelConfig.from_model_dir(config.model_path)
     max_len = config.context_length or mcfg.max_position_embeddings
+    if mcfg.sliding_window is not None:
+        max_len = min(max_len, mcfg.sliding_window)
     model = CausalLM(
         mcfg, load_weights(config.model_path), dtype=dtype, device=device, max_positions=max_len
     )

@@ -28,6 +28,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     qk_norm: bool
     """Qwen3: RMSNorm over each head's q and k before the rotary embedding."""
+    sliding_window: int | None = None
+    """Mistral (v0.1): attention sees at most this many tokens. The engine caps the context
+    length to it, so full attention is exact."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -60,6 +63,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(raw),
         )
 
     @classmethod
@@ -74,3 +78,10 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
+        return None
+    return int(window)

@@ -41,7 +41,7 @@ def engine(model: Path, **kw: object) -> TorchEngine:
     return TorchEngine(TorchEngineConfig(**cfg))  # type: ignore[arg-type]
 
 
-def request(
+def request_for(
     tokens: list[int], max_tokens: int = 6, *, seed: int | None = None, **sampling: object
 ) -> PreprocessedRequest:
     return PreprocessedRequest(
@@ -66,11 +66,11 @@ async def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_llama: Path
     try:
         prompt = list(range(10, 40))
         kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.01}
-        a = ids(await run(eng, request(prompt, 12, seed=7, **kw)))
+        a = ids(await run(eng, request_for(prompt, 12, seed=7, **kw)))
         # The same seed again, now batched with other requests: the same tokens.
-        others = [run(eng, request(list(range(50, 50 + n)), 8, seed=n)) for n in (5, 9, 30)]
-        b, *_ = await asyncio.gather(run(eng, request(prompt, 12, seed=7, **kw)), *others)
-        c = ids(await run(eng, request(prompt, 12, seed=8, **kw)))
+        others = [run(eng, request_for(list(range(50, 50 + n)), 8, seed=n)) for n in (5, 9, 30)]
+        b, *_ = await asyncio.gather(run(eng, request_for(prompt, 12, seed=7, **kw)), *others)
+        c = ids(await run(eng, request_for(prompt, 12, seed=8, **kw)))
         assert a == ids(b) and a != c
     finally:
         await eng.cleanup()
@@ -80,7 +80,7 @@ async def test_logprobs_are_those_of_the_raw_model(tiny_llama: Path) -> None:
     eng = engine(tiny_llama)
     await eng.start(1)
     try:
-        req = request(list(range(3, 20)), 5, temperature=0.0)
+        req = request_for(list(range(3, 20)), 5, temperature=0.0)
         req.output = OutputOptions(logprobs=3)
         chunks = await run(eng, req)
         lps = [lp for c in chunks for lp in (c.log_probs or [])]
@@ -95,13 +95,30 @@ async def test_logprobs_are_those_of_the_raw_model(tiny_llama: Path) -> None:
         await eng.cleanup()
 
 
-async def test_greedy_matches_transformers_with_penalty_free_defaults(tiny_qwen3: Path) -> None:
-    eng = engine(tiny_qwen3, max_num_batched_tokens=32)  # chunked prefill of a 70-token prompt
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_mistral"])
+async def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    model: Path = request.getfixturevalue(arch)
+    eng = engine(model, max_num_batched_tokens=32)  # chunked prefill of a 70-token prompt
     await eng.start(1)
     try:
         prompt = [(i * 7) % 300 + 5 for i in range(70)]
-        got = ids(await run(eng, request(prompt, 10, temperature=0.0)))
-        assert got == hf_greedy(tiny_qwen3, prompt, 10)
+        got = ids(await run(eng, request_for(prompt, 10, temperature=0.0)))
+        assert got == hf_greedy(model, prompt, 10)
+    finally:
+        await eng.cleanup()
+
+
+async def test_bfloat16_runs(tiny_llama: Path) -> None:
+    eng = engine(tiny_llama, dtype="bfloat16")
+    await eng.start(1)
+    try:
+        blocks = eng.loaded.cache.layout if eng.loaded else None
+        assert blocks is not None and blocks.dtype == "bfloat16"
+        prompt = list(range(5, 45))
+        out = await run(eng, request_for(prompt, 8, temperature=0.0))
+        assert len(ids(out)) == 8 and out[-1].finish_reason is FinishReason.LENGTH
+        # Close to fp32: the first greedy token agrees (logit margins are wide at init 0.2).
+        assert ids(out)[0] == hf_greedy(tiny_llama, prompt, 1)[0]
     finally:
         await eng.cleanup()
 
@@ -111,10 +128,10 @@ async def test_stop_token_ids_and_min_tokens(tiny_llama: Path) -> None:
     await eng.start(1)
     try:
         prompt = list(range(5, 25))
-        plain = ids(await run(eng, request(prompt, 16, temperature=0.0)))
+        plain = ids(await run(eng, request_for(prompt, 16, temperature=0.0)))
         # min_tokens bans the stop ids until reached: stop on the greedy first token otherwise.
         first = plain[0]
-        req = request(prompt, 8, temperature=0.0)
+        req = request_for(prompt, 8, temperature=0.0)
         req.stop = StopConditions(max_tokens=8, stop_token_ids=[first], ignore_eos=True)
         assert ids(await run(eng, req)) == [first]
         req.stop = StopConditions(
@@ -131,11 +148,11 @@ async def test_bad_requests_are_invalid_arguments(tiny_llama: Path) -> None:
     await eng.start(1)
     try:
         bad = [
-            request([1, 2, 10_000]),  # beyond the vocabulary
-            request(list(range(10)), 10_000),  # beyond the context length
-            request([1, 2, 3], top_p=0.0),
-            request([1, 2, 3], temperature=-1.0),
-            request([1, 2, 3], guided_decoding=GuidedDecodingOptions(regex="a+")),
+            request_for([1, 2, 10_000]),  # beyond the vocabulary
+            request_for(list(range(10)), 10_000),  # beyond the context length
+            request_for([1, 2, 3], top_p=0.0),
+            request_for([1, 2, 3], temperature=-1.0),
+            request_for([1, 2, 3], guided_decoding=GuidedDecodingOptions(regex="a+")),
         ]
         for req in bad:
             with pytest.raises(InvalidArgument):
@@ -166,7 +183,7 @@ async def test_many_requests_with_cancellations_free_every_block(tiny_llama: Pat
         tokens = prefixes[i % 6][: rng.randrange(4, 2 * BS)] + [rng.randrange(5, 390)] * (i % 5)
         ctx = Context()
         n = 0
-        async for out in eng.generate(request(tokens, rng.randrange(1, 6)), ctx):
+        async for out in eng.generate(request_for(tokens, rng.randrange(1, 6)), ctx):
             n += len(out.token_ids)
             if i % 3 == 0 and n >= 1:
                 ctx.stop_generating()
@@ -204,7 +221,7 @@ async def test_exported_blocks_make_a_prefix_hit_elsewhere(tiny_llama: Path) -> 
     await b.start(2)
     try:
         prompt = list(range(20, 20 + 3 * BS + 5))
-        ref = await run(a, request(prompt, 6, temperature=0.0))
+        ref = await run(a, request_for(prompt, 6, temperature=0.0))
         local = local_block_hashes(prompt, BS)
         sched = a.scheduler
         assert sched is not None
@@ -218,7 +235,7 @@ async def test_exported_blocks_make_a_prefix_hit_elsewhere(tiny_llama: Path) -> 
         assert blocks.block_hashes == chain and blocks.local_hashes == local
         assert await b.import_kv(blocks) == 3
         assert await b.import_kv(blocks) == 0  # already cached
-        out = await run(b, request(prompt, 6, temperature=0.0))
+        out = await run(b, request_for(prompt, 6, temperature=0.0))
         assert ids(out) == ids(ref)
         assert out[-1].usage is not None and out[-1].usage.cached_tokens == 3 * BS
     finally:
@@ -237,7 +254,7 @@ async def test_cancelled_stream_ends_cancelled_and_frees_blocks(tiny_llama: Path
     try:
         ctx = Context()
         chunks = []
-        async for out in eng.generate(request(list(range(5, 60)), 300), ctx):
+        async for out in eng.generate(request_for(list(range(5, 60)), 300), ctx):
             chunks.append(out)
             if len(chunks) == 2:
                 await eng.abort(ctx)
