@@ -264,3 +264,24 @@ async def test_cancelled_stream_ends_cancelled_and_frees_blocks(tiny_llama: Path
         assert sched is not None and sched.kv.num_active_blocks == 0
     finally:
         await eng.cleanup()
+
+
+async def test_preempted_requests_recompute_and_still_match_transformers(
+    tiny_llama: Path,
+) -> None:
+    """A pool too small for four 70-token sequences: decodes preempt (LIFO) and the victims
+    recompute their KV later; every output still equals transformers'."""
+    eng = engine(tiny_llama, num_gpu_blocks_override=12, max_num_batched_tokens=256)
+    await eng.start(1)
+    try:
+        prompts = [[(i * 31 + j * 7) % 380 + 5 for j in range(40)] for i in range(4)]
+        outs = await asyncio.gather(
+            *(run(eng, request_for(p, 30, temperature=0.0)) for p in prompts)
+        )
+        for p, out in zip(prompts, outs, strict=True):
+            assert ids(out) == hf_greedy(tiny_llama, p, 30)
+        stats = eng.stats
+        assert stats is not None and stats.num_preemptions > 0
+        await eng.check_invariants()
+    finally:
+        await eng.cleanup()
