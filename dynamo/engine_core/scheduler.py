@@ -309,18 +309,6 @@ class Scheduler:
         out.events = self.kv.drain_events()
         return out
 
-    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
-        """End a running request early (e.g. a stop condition only its engine sees): free its
-        blocks now. None if unknown."""
-        seq = self._requests.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.RUNNING:
-            return None
-        del self._requests[request_id]
-        self._running.remove(seq)
-        self._free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        return seq
-
     def _promote_filled(self, seq: Sequence) -> None:
         """Private tail blocks whose KV is complete become shareable full blocks."""
         bs = self.config.block_size

@@ -10,7 +10,7 @@ from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.run import configure_logging, run_async
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.pytorch.config import TorchEngineConfig
-from dynamo.pytorch.engine import TorchEngine
+from dynamo.pytorch.engine import ConstraintFactory, TorchEngine
 from dynamo.pytorch.metrics import EngineCollector
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.naming import EndpointId
@@ -52,12 +52,17 @@ def build_worker(
     install_signal_handlers: bool = True,
     system_host: str = "0.0.0.0",
     system_port: int | None = None,
+    constraint_factory: ConstraintFactory | None = None,
 ) -> Worker:
-    """A Worker serving one PyTorch engine under its own runtime."""
+    """A Worker serving one PyTorch engine under its own runtime. ``constraint_factory``
+    (guided decoding) makes the engine honour ``sampling.guided_decoding``."""
     runtime = DistributedRuntime(runtime_config, hub)
     publisher = KVPublisher(runtime)
     engine = TorchEngine(
-        config, kv_event_sink=publisher.publish_kv, load_sink=publisher.publish_load
+        config,
+        kv_event_sink=publisher.publish_kv,
+        load_sink=publisher.publish_load,
+        constraint_factory=constraint_factory,
     )
     endpoint = EndpointId.parse(config.endpoint_for(runtime_config.namespace))
     if endpoint.namespace != runtime_config.namespace:
