@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,7 +36,9 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return build(request.param, tmp_path_factory.getbasetemp())
 
 
-async def add_worker(stack: Stack, model: Path, **overrides: Any) -> Worker:
+async def add_worker(
+    stack: Stack, model: Path, *, system_port: int | None = None, **overrides: Any
+) -> Worker:
     settings: dict[str, Any] = {
         "model_path": str(model),
         "model_name": "tiny",
@@ -45,7 +48,12 @@ async def add_worker(stack: Stack, model: Path, **overrides: Any) -> Worker:
     }
     settings.update(overrides)
     worker = build_worker(
-        TorchEngineConfig(**settings), RUNTIME, hub=stack.hub, install_signal_handlers=False
+        TorchEngineConfig(**settings),
+        RUNTIME,
+        hub=stack.hub,
+        install_signal_handlers=False,
+        system_host="127.0.0.1",
+        system_port=system_port,
     )
     stack.workers.append(worker)
     stack.tasks.append(asyncio.create_task(worker.run(), name="test-pytorch-worker"))
@@ -74,7 +82,7 @@ def tokens_of(body: dict) -> list[int]:
 
 
 async def test_greedy_matches_transformers(stack: Stack, model_dir: Path) -> None:
-    await add_worker(stack, model_dir)
+    worker = await add_worker(stack, model_dir, system_port=0)
     await stack.start_frontend()
     await stack.wait_for_model("tiny")
     rng = random.Random(1)
@@ -93,6 +101,19 @@ async def test_greedy_matches_transformers(stack: Stack, model_dir: Path) -> Non
     body = await complete(stack, follow, 8)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
     assert tokens_of(body) == hf_greedy(model_dir, follow, 8)
+    # The engine's metrics on the worker's status server: the 16 requests ran batched.
+    assert worker.status is not None
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{worker.status.port}/metrics")).text
+    metrics = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dynamo_component_")
+    }
+    assert metrics["dynamo_component_engine_max_batch_requests"] >= 8
+    assert 0 < metrics["dynamo_component_kv_cache_hit_rate"] < 1
+    assert metrics["dynamo_component_engine_output_tokens_total"] == 18 * 8
+    assert metrics["dynamo_component_total_blocks"] == 256
 
 
 async def test_chat_with_seeded_choices(stack: Stack, tiny_dir: Path) -> None:
