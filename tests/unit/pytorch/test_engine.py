@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from dynamo.backend.testing import check_engine
 from dynamo.protocol.kv_events import KVEventBatch
@@ -283,5 +284,41 @@ async def test_preempted_requests_recompute_and_still_match_transformers(
         stats = eng.stats
         assert stats is not None and stats.num_preemptions > 0
         await eng.check_invariants()
+    finally:
+        await eng.cleanup()
+
+
+async def test_guided_decoding_seam(tiny_llama: Path) -> None:
+    """A constraint from the factory masks every sampled row and hears every emitted token."""
+
+    class EvenTokens:
+        def __init__(self, options: GuidedDecodingOptions) -> None:
+            assert options.regex == "[02468]+"
+            self.accepted: list[int] = []
+
+        def mask_logits(self, logits: torch.Tensor) -> None:
+            logits[1::2] = float("-inf")
+
+        def accept_token(self, token_id: int) -> None:
+            self.accepted.append(token_id)
+
+    made: list[EvenTokens] = []
+
+    def factory(options: GuidedDecodingOptions) -> EvenTokens:
+        made.append(EvenTokens(options))
+        return made[-1]
+
+    eng = TorchEngine(
+        TorchEngineConfig(model_path=str(tiny_llama), num_gpu_blocks_override=64),
+        constraint_factory=factory,
+    )
+    await eng.start(1)
+    try:
+        assert eng.capabilities.guided_decoding
+        req = request_for(list(range(5, 30)), 10, seed=3, temperature=1.0)
+        req.sampling.guided_decoding = GuidedDecodingOptions(regex="[02468]+")
+        tokens = ids(await run(eng, req))
+        assert len(tokens) == 10 and all(t % 2 == 0 for t in tokens)
+        assert made[0].accepted == tokens
     finally:
         await eng.cleanup()
