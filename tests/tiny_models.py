@@ -142,3 +142,15 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 
 
 _hf_models: dict[Path, object] = {}
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the first."""
+    import torch
+
+    hf_greedy(model_dir, prompt[:1], 1)  # loads and caches the model
+    model = _hf_models[model_dir]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()  # type: ignore[operator]
+    lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1))
+    return [float(v) for v in lp.squeeze(1)]

@@ -220,7 +220,7 @@ class Scheduler:
         if seq.pending_transfer:
             computed = n_tokens - 1  # KV arrives from the prefill worker; recompute the last one
         else:
-            hit = self.kv.num_cached_prefix(seq.block_hashes)
+            hit = self.kv.num_cached_prefix(seq.block_hashes) if seq.reuse_prefix_cache else 0
             computed = min(hit * bs, n_tokens - 1)  # like vLLM, always compute >= 1 token
         new_tokens = n_tokens - computed
         if not cfg.enable_chunked_prefill and budget < new_tokens <= cfg.max_num_batched_tokens:

@@ -58,6 +58,8 @@ class Sequence:
     handoff: DisaggregatedParams | None = None
     """Decode side of disaggregation: the prompt's KV arrives from this prefill worker."""
     pending_transfer: bool = False
+    reuse_prefix_cache: bool = True
+    """False when every prompt position must be computed (prompt log-probabilities)."""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     prefill_end: int = 0
@@ -200,4 +202,5 @@ def sequence_from_request(
         arrival=now,
         handoff=handoff,
         pending_transfer=handoff is not None,
+        reuse_prefix_cache=request.output.prompt_logprobs is None,
     )

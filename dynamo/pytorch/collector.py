@@ -21,6 +21,7 @@ class Collector:
         "done",
         "cancelled",
         "waiter",
+        "prompt_logprobs",
         "_logprobs",
     )
 
@@ -34,6 +35,7 @@ class Collector:
         self.done = False  # the step loop no longer knows the request
         self.cancelled = False  # abort(ctx) freed it: end with a cancelled terminal
         self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits
+        self.prompt_logprobs: list[float | None] | None = None  # until the first chunk leaves
 
     @property
     def has_tokens(self) -> bool:
@@ -52,6 +54,8 @@ class Collector:
         if self._logprobs:
             out.log_probs, out.top_logprobs = self.log_probs, self.top_logprobs
             self.log_probs, self.top_logprobs = [], []
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.tokens = []
         return out
 

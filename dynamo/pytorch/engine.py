@@ -103,6 +103,7 @@ class TorchEngine(LLMEngine):
         return EngineCapabilities(
             logprobs=True,
             max_top_logprobs=MAX_TOP_LOGPROBS,
+            prompt_logprobs=True,
             min_p=True,
             repetition_penalty=True,
             presence_penalty=True,
@@ -193,6 +194,7 @@ class TorchEngine(LLMEngine):
             generator=make_generator(seq.rng_state, self.loaded.model.device),
             stop_token_ids=seq.stop_token_ids,
             constraint=constraint,
+            prompt_logprobs=[None] if request.output.prompt_logprobs is not None else None,
         )
         return seq, sampler
 
@@ -278,6 +280,8 @@ class TorchEngine(LLMEngine):
         for item in report.outputs:
             col = collectors.get(item.request_id)
             if col is not None:
+                if item.prompt_logprobs is not None:
+                    col.prompt_logprobs = item.prompt_logprobs
                 col.add(item.token, item.logprob, item.top)
         for seq in report.finished:
             col = collectors.get(seq.request_id)

@@ -27,8 +27,11 @@ class _Inputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+    """The sampling rows, then the prompt-logprob rows."""
     sampling: list[int]
-    """Entry index of each logits row."""
+    """Entry index of each sampling row."""
+    prompt_targets: list[tuple[str, int]]
+    """Per prompt-logprob row: the request and the next prompt token (whose logprob it is)."""
 
 
 class ModelRunner:
@@ -49,10 +52,13 @@ class ModelRunner:
     ) -> list[Sampled | None]:
         """Compute the batch; return one sample per entry (None for a non-final prefill
         chunk)."""
-        inputs = self._prepare(batch, kv)
+        inputs = self._prepare(batch, kv, samplers)
         logits = self.model.forward(
             inputs.input_ids, inputs.positions, inputs.meta, self.cache.pools, inputs.logits_rows
         )
+        if inputs.prompt_targets:
+            _record_prompt_logprobs(logits[len(inputs.sampling) :], inputs.prompt_targets, samplers)
+            logits = logits[: len(inputs.sampling)]
         rows = []
         for i in inputs.sampling:
             seq = batch.entries[i][0]
@@ -68,7 +74,9 @@ class ModelRunner:
             out[i] = result
         return out
 
-    def _prepare(self, batch: ScheduledBatch, kv: KVManager) -> _Inputs:
+    def _prepare(
+        self, batch: ScheduledBatch, kv: KVManager, samplers: dict[str, RequestSampler]
+    ) -> _Inputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -80,6 +88,8 @@ class ModelRunner:
         decode_lens: list[int] = []
         logits_rows: list[int] = []
         sampling: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[str, int]] = []
         for index, (seq, n) in enumerate(batch.entries):
             start, row = seq.num_computed_tokens, len(ids)
             end = start + n
@@ -103,6 +113,11 @@ class ModelRunner:
             if ScheduledBatch.samples(seq, n):
                 logits_rows.append(row + n - 1)
                 sampling.append(index)
+            acc = samplers[seq.request_id].prompt_logprobs
+            if acc is not None:  # rows whose next token is a prompt token not yet scored
+                for p in range(max(start, len(acc) - 1), min(end, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(row + p - start)
+                    prompt_targets.append((seq.request_id, seq.tokens[p + 1]))
         dev = self.device
         all_written = len(write_rows) == len(ids)
         meta = AttentionMetadata(
@@ -121,8 +136,9 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_rows=torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
             sampling=sampling,
+            prompt_targets=prompt_targets,
         )
 
     def _prefill_span(self, row: int, n: int, end: int, table: list[int]) -> PrefillSpan:
@@ -157,3 +173,15 @@ class ModelRunner:
         meta.decode_bias = bias.masked_fill_(keys >= lengths, float("-inf")).view(
             1, len(rows), 1, width * bs
         )
+
+
+def _record_prompt_logprobs(
+    logits: torch.Tensor, targets: list[tuple[str, int]], samplers: dict[str, RequestSampler]
+) -> None:
+    """Append each row's log-probability of its next prompt token (raw logits)."""
+    index = torch.tensor([t for _, t in targets], dtype=torch.int64, device=logits.device)
+    values = torch.log_softmax(logits, dim=-1).gather(1, index.unsqueeze(1)).squeeze(1)
+    for (request_id, _), value in zip(targets, values.tolist(), strict=True):
+        acc = samplers[request_id].prompt_logprobs
+        assert acc is not None
+        acc.append(value)

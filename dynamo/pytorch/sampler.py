@@ -85,8 +85,9 @@ class SamplingParams:
             raise InvalidArgument("presence_penalty and frequency_penalty must be in [-2, 2]")
         if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        if request.output.prompt_logprobs is not None:
-            raise InvalidArgument("prompt_logprobs is not supported by the pytorch engine")
+        prompt = request.output.prompt_logprobs
+        if prompt is not None and not 0 <= prompt <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         return p
 
 
@@ -96,12 +97,18 @@ def _default(value: T | None, default: T) -> T:
 
 @dataclass(slots=True)
 class RequestSampler:
-    """Sampling state of one request: its params, generator and optional constraint."""
+    """Sampling state of one request: its params, generator and optional constraint.
+
+    ``prompt_logprobs`` (when asked for) fills up during prefill: ``None`` for the first prompt
+    token, then the log-probability of each next prompt token under the raw logits.
+    """
 
     params: SamplingParams
     generator: torch.Generator
     stop_token_ids: frozenset[int]
     constraint: TokenConstraint | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass(slots=True)

@@ -60,6 +60,8 @@ class TokenOutput:
     token: int
     logprob: float | None
     top: list[TopLogprob]
+    prompt_logprobs: list[float | None] | None = None
+    """Set on the request's first token only, when it asked for them."""
 
 
 @dataclass(slots=True)
@@ -176,10 +178,13 @@ class StepThread:
         for (seq, _), s in zip(batch.entries, sampled, strict=True):
             if s is None:
                 continue
-            constraint = self._samplers[seq.request_id].constraint
-            if constraint is not None:
-                constraint.accept_token(s.token)
-            report.outputs.append(TokenOutput(seq.request_id, s.token, s.logprob, s.top))
+            sampler = self._samplers[seq.request_id]
+            if sampler.constraint is not None:
+                sampler.constraint.accept_token(s.token)
+            out = TokenOutput(seq.request_id, s.token, s.logprob, s.top)
+            if sampler.prompt_logprobs is not None and not sampler.prompt_logprobs_sent:
+                out.prompt_logprobs, sampler.prompt_logprobs_sent = sampler.prompt_logprobs, True
+            report.outputs.append(out)
         result = sched.update(batch, tokens)
         for seq in result.finished:
             self._samplers.pop(seq.request_id, None)

@@ -26,7 +26,7 @@ from dynamo.router.hashing import local_block_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import InvalidArgument
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, hf_prompt_logprobs
 
 BS = 16
 
@@ -320,5 +320,26 @@ async def test_guided_decoding_seam(tiny_llama: Path) -> None:
         tokens = ids(await run(eng, req))
         assert len(tokens) == 10 and all(t % 2 == 0 for t in tokens)
         assert made[0].accepted == tokens
+    finally:
+        await eng.cleanup()
+
+
+async def test_prompt_logprobs_cover_the_whole_prompt_even_when_cached(tiny_llama: Path) -> None:
+    eng = engine(tiny_llama, max_num_batched_tokens=32)  # chunked: 3 passes for 70 tokens
+    await eng.start(1)
+    try:
+        prompt = [(i * 13) % 380 + 5 for i in range(70)]
+        await run(eng, request_for(prompt, 2, temperature=0.0))  # now the prompt is cached
+        req = request_for(prompt, 3, temperature=0.0)
+        req.output = OutputOptions(prompt_logprobs=0)
+        chunks = await run(eng, req)
+        got = chunks[0].prompt_logprobs
+        assert got is not None and got[0] is None and len(got) == len(prompt)
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        expected = hf_prompt_logprobs(tiny_llama, prompt)
+        assert got[1:] == pytest.approx(expected, abs=1e-4)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.cached_tokens == 0  # computed, not reused
+        assert eng.capabilities.prompt_logprobs
     finally:
         await eng.cleanup()
