@@ -18,7 +18,7 @@ SPECIAL = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3")
 _built: dict[str, Path] = {}
 
 _TEXT = [
@@ -76,6 +76,16 @@ def _config(arch: str, vocab: int, eos: int, bos: int) -> object:
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "llama31":  # Llama 3.1's rotary scaling, with a short original context
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(rope_parameters=rope, **common)
     if arch == "mistral":
         return transformers.MistralConfig(sliding_window=None, **common)
     if arch == "qwen2":
@@ -99,7 +109,7 @@ def build(arch: str, root: Path) -> Path:
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     config = _config(arch, vocab, ids["<|eot_id|>"], ids["<|begin_of_text|>"])
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama31": 5}[arch])
     model = transformers.AutoModelForCausalLM.from_config(config)
     if arch == "qwen2":  # biases start at zero: make them matter
         with torch.no_grad():

@@ -9,6 +9,7 @@ layer is four matmuls.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dynamo.pytorch.attention import AttentionMetadata, paged_attention, write_kv
-from dynamo.pytorch.model_config import ModelConfig
+from dynamo.pytorch.model_config import ModelConfig, RopeScaling
 
 
 @dataclass(slots=True)
@@ -111,6 +112,8 @@ class CausalLM:
         dim = self.config.head_dim
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
         inv_freq = 1.0 / (self.config.rope_theta**exponent)
+        if self.config.rope_scaling is not None:
+            inv_freq = _scaled_inv_freq(inv_freq, self.config.rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -158,6 +161,22 @@ class CausalLM:
             h = h + F.linear(F.silu(gate) * up, layer.down)
         last = rms_norm(h.index_select(0, logits_rows), self.norm, eps)
         return F.linear(last, self.lm_head).float()
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
+    """transformers' ``linear`` and ``llama3`` rotary frequencies."""
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -10,6 +10,32 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """transformers' ``rope_type`` ``linear`` (positions / factor) or ``llama3`` (Llama 3.1+:
+    low frequencies / factor, a smooth ramp between ``low_freq_factor`` and
+    ``high_freq_factor``)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_dict(cls, rope_type: str, raw: dict[str, Any]) -> RopeScaling | None:
+        if rope_type == "default":
+            return None
+        return cls(
+            rope_type=rope_type,
+            factor=float(raw.get("factor", 1.0)),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +54,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qk_norm: bool
     """Qwen3: RMSNorm over each head's q and k before the rotary embedding."""
+    rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     """Mistral (v0.1): attention sees at most this many tokens. The engine caps the context
     length to it, so full attention is exact."""
@@ -43,9 +70,9 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported (default only)")
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -64,6 +91,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=_sliding_window(raw),
+            rope_scaling=RopeScaling.from_dict(rope_type, rope),
         )
 
     @classmethod

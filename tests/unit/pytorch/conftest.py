@@ -32,3 +32,8 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("mistral", tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama31(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama31", tmp_path_factory.getbasetemp())

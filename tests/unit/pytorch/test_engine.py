@@ -96,7 +96,7 @@ async def test_logprobs_are_those_of_the_raw_model(tiny_llama: Path) -> None:
         await eng.cleanup()
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_mistral"])
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_mistral", "tiny_llama31"])
 async def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
     model: Path = request.getfixturevalue(arch)
     eng = engine(model, max_num_batched_tokens=32)  # chunked prefill of a 70-token prompt
