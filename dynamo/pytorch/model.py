@@ -67,10 +67,12 @@ class CausalLM:
 
     def _init_weights(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
+        used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
             if name not in w:
                 raise ValueError(f"the checkpoint has no tensor {name!r}")
+            used.add(name)
             return w[name].to(device=self.device, dtype=self.dtype).contiguous()
 
         def maybe(name: str) -> torch.Tensor | None:
@@ -81,6 +83,7 @@ class CausalLM:
         if "lm_head.weight" in w and not cfg.tie_word_embeddings:
             self.lm_head = take("lm_head.weight")
         else:
+            used.add("lm_head.weight")
             self.lm_head = self.embed
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
@@ -106,6 +109,11 @@ class CausalLM:
                     down=take(p + "mlp.down_proj.weight"),
                 )
             )
+        # A tensor this forward pass does not read (an MLP bias, a new kind of norm) means a
+        # variant it does not implement: refuse rather than serve wrong output.
+        unused = sorted(n for n in w.keys() - used if not n.endswith("rotary_emb.inv_freq"))
+        if unused:
+            raise ValueError(f"unsupported tensors in the checkpoint: {', '.join(unused[:5])}")
 
     def _init_rotary(self, max_positions: int) -> None:
         # As transformers' default rotary embedding: float32 tables, cast to the model dtype.
