@@ -31,6 +31,9 @@ from dynamo.pytorch.sampler import RequestSampler
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.001
+"""How long the loop sleeps when requests exist but none can run (no busy spinning)."""
+
 
 @dataclass(slots=True)
 class Add:
@@ -171,7 +174,10 @@ class StepThread:
             return
         t0 = time.perf_counter()
         batch = sched.schedule(time.monotonic())
-        if batch.is_empty:
+        if batch.is_empty:  # nothing runnable yet (cannot happen in aggregated mode): no spin
+            with self._cv:
+                if not self._inbox and not self._stopping:
+                    self._cv.wait(IDLE_WAIT_S)
             return
         sampled = self.runner.run(batch, sched.kv, self._samplers)
         tokens = [s.token if s is not None else None for s in sampled]
