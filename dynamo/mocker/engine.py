@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from dynamo.backend.capabilities import check_request
 from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.engine_core.sequence import Sequence, sequence_from_request
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
-from dynamo.mocker.scheduler import Scheduler, StepOutput
-from dynamo.mocker.sequence import Sequence, sequence_from_request
+from dynamo.mocker.simulator import MockerScheduler, StepOutput
 from dynamo.mocker.timing import Clock, RealClock
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
@@ -63,7 +63,7 @@ class _Rank:
     """One DP rank: its scheduler, the inbox its loop drains, and the live collectors."""
 
     index: int
-    scheduler: Scheduler
+    scheduler: MockerScheduler
     inbox: list[tuple[Sequence | None, str]] = field(default_factory=list)
     collectors: dict[str, _Collector] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -106,7 +106,9 @@ class MockerEngine(LLMEngine):
         self.worker_id = worker_id
         if cfg.startup_time:
             await self.clock.sleep(cfg.startup_time)  # simulated model load
-        self._ranks = [_Rank(r, Scheduler(cfg, dp_rank=r)) for r in range(cfg.data_parallel_size)]
+        self._ranks = [
+            _Rank(r, MockerScheduler(cfg, dp_rank=r)) for r in range(cfg.data_parallel_size)
+        ]
         self._tasks = [
             asyncio.create_task(self._step_loop(rank), name=f"mocker-step:{worker_id:x}:{r}")
             for r, rank in enumerate(self._ranks)
@@ -334,7 +336,7 @@ class MockerEngine(LLMEngine):
 
     # -- introspection (tests, benchmarks) -------------------------------------------------------
     @property
-    def schedulers(self) -> list[Scheduler]:
+    def schedulers(self) -> list[MockerScheduler]:
         return [rank.scheduler for rank in self._ranks]
 
     def check_invariants(self) -> None:

@@ -1,9 +1,11 @@
 """The import layering of ARCHITECTURE.md, checked on the source (no imports executed).
 
-protocol <- runtime <- {preprocess, router, backend, observability} <- {frontend, mocker,
-slot_tracker, bench, engines}. ``protocol`` imports only the standard library and msgspec.
-Nothing imports frontend, mocker or an engine package (except their own modules and the
-top-level CLI / serve composition roots). ``router`` never imports a concrete event-plane backend.
+protocol <- runtime <- {preprocess, router, backend, observability} <- engine_core (the shared
+scheduler and KV block manager) <- {frontend, mocker, pytorch, slot_tracker, bench}.
+``protocol`` imports only the standard library and msgspec. ``engine_core`` imports only
+protocol, runtime and router; only ``pytorch`` imports torch. Nothing imports frontend, mocker
+or an engine package (except their own modules and the top-level CLI / serve composition
+roots). ``router`` never imports a concrete event-plane backend.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ LEVEL = {
     "router": 2,
     "backend": 2,
     "observability": 2,
-    "frontend": 3,
-    "mocker": 3,
-    "slot_tracker": 3,
-    "bench": 3,
+    "engine_core": 3,
+    "frontend": 4,
+    "mocker": 4,
+    "pytorch": 4,
+    "slot_tracker": 4,
+    "bench": 4,
 }
 # Composition roots that may wire top-level packages together.
 ROOTS = {"cli", "serve", "serve_inprocess", "__main__"}
-TOP = {"frontend", "mocker", "slot_tracker", "bench"}
+TOP = {"frontend", "mocker", "pytorch", "slot_tracker", "bench"}
 
 
 def _imports(path: Path) -> list[str]:
@@ -85,4 +89,26 @@ def test_router_sees_only_event_plane_interface() -> None:
         for name in _imports(path):
             if name.startswith("dynamo.runtime.event_plane.") and not name.endswith(".base"):
                 bad.append(f"{path.name}: {name}")
+    assert not bad, bad
+
+
+def test_engine_core_imports_only_protocol_runtime_router() -> None:
+    allowed = {"protocol", "runtime", "router", "engine_core"}
+    bad = []
+    for path in (ROOT / "engine_core").rglob("*.py"):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "dynamo" and len(parts) > 1 and parts[1] not in allowed:
+                bad.append(f"{path.name}: {name}")
+    assert not bad, bad
+
+
+def test_torch_is_imported_only_by_the_pytorch_engine() -> None:
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        if _package_of(path) == "pytorch":
+            continue
+        for name in _imports(path):
+            if name.split(".")[0] in {"torch", "safetensors"}:
+                bad.append(f"{path.relative_to(ROOT)}: {name}")
     assert not bad, bad

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynamo.mocker.config import MockerConfig
-from dynamo.mocker.scheduler import Scheduler
+from dynamo.mocker.simulator import MockerScheduler as Scheduler
 from dynamo.mocker.timing import VirtualClock
 from dynamo.protocol.disagg import DisaggregatedParams
-from dynamo.protocol.kv_events import BlocksRemoved, BlocksStored, KVCacheEvent
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
+from tests.unit.engine_core.block_set import BlockSetSubscriber
 
 
 def make_request(
@@ -58,30 +58,6 @@ class Trace:
     @property
     def itls_ms(self) -> list[float]:
         return [(b - a) * 1000 for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
-class BlockSetSubscriber:
-    """Rebuilds a worker's cached block set from its KV events, as a router's indexer would."""
-
-    def __init__(self) -> None:
-        self.blocks: set[int] = set()
-        self.next_id = 0
-
-    def apply(self, events: list[KVCacheEvent]) -> None:
-        for ev in events:
-            assert ev.event_id == self.next_id, "gap or reorder in event ids"
-            self.next_id += 1
-            data = ev.data
-            if isinstance(data, BlocksStored):
-                assert data.parent_hash is None or data.parent_hash in self.blocks, "unknown parent"
-                for b in data.blocks:
-                    assert b.block_hash not in self.blocks, "stored twice"
-                    self.blocks.add(b.block_hash)
-            elif isinstance(data, BlocksRemoved):
-                for h in data.block_hashes:
-                    self.blocks.remove(h)
-            else:
-                self.blocks.clear()
 
 
 def simulate(

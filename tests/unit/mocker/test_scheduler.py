@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mocker_sim import BlockSetSubscriber, make_request, scheduler, simulate
 
-from dynamo.mocker.scheduler import Scheduler
-from dynamo.mocker.sequence import sequence_from_request
+from dynamo.engine_core.sequence import sequence_from_request
+from dynamo.mocker.simulator import MockerScheduler as Scheduler
 from dynamo.mocker.timing import prefill_ms
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason

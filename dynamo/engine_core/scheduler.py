@@ -1,21 +1,25 @@
-"""The mocker's scheduling policy for one DP rank (vLLM v1 semantics, FACTS §6.2).
+"""The shared scheduling policy for one DP rank (vLLM v1 semantics, FACTS §6.2).
 
-Each ``step(now)`` is one forward pass: the token budget goes to running requests first (a decode
-costs one token), then to chunked prefill of waiting requests in FIFO order. Blocks are carried
-out by ``KVManager`` (mechanism); durations come from ``TimingModel``. Pure and synchronous: the
-engine loop or an offline replay drives it on any clock.
+Each pass is ``schedule(now)`` then ``update(batch, sampled)``: the token budget goes to running
+requests first (a decode costs one token), then to chunked prefill of waiting requests in FIFO
+order; between the two, the engine runs the batch. The mocker times it with its model of a GPU
+(``dynamo.mocker.simulator``), the PyTorch engine runs a real model (``dynamo.pytorch``): what
+the mocker predicts is what the real engine schedules. Blocks are carried out by ``KVManager``
+(mechanism). Pure and synchronous: one owner (task or thread) drives it on any clock.
+
+Cache rule (as vLLM): a block is stored in the prefix cache, and announced, only once its KV is
+computed (``update`` promotes filled blocks). A request admitted while another still computes
+the same prefix therefore never reads KV that does not exist yet.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dynamo.mocker.config import MockerConfig
-from dynamo.mocker.kv_manager import KVManager
-from dynamo.mocker.sequence import Sequence, SequenceStatus, TokenSampler, sequence_from_request
-from dynamo.mocker.timing import TimingModel
+from dynamo.engine_core.config import SchedulerLimits
+from dynamo.engine_core.kv_manager import KVManager
+from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason
@@ -23,31 +27,46 @@ from dynamo.protocol.request import PreprocessedRequest
 
 
 @dataclass(slots=True)
-class StepOutput:
-    """What one pass did. ``duration`` is clock seconds (0 at speedup 0); the tokens exist at
-    ``start + duration``. ``events`` are the KV events of the pass, in order."""
+class ScheduledBatch:
+    """What one pass computes: ``entries`` are ``(sequence, number of new tokens)`` in batch
+    order. An entry *samples* (produces a token) when it reaches the end of its known tokens."""
 
     start: float
-    duration: float = 0.0
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decodes: int = 0
     decode_context_tokens: int = 0
-    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    events: list[KVCacheEvent] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        """Nothing ran (idle, or every running request waits for a KV transfer)."""
-        return self.num_prefill_tokens == 0 and self.num_decodes == 0
+        """Nothing to run (idle, or every running request waits for a KV transfer)."""
+        return not self.entries
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    @staticmethod
+    def samples(seq: Sequence, n: int) -> bool:
+        """Whether the entry ``(seq, n)`` produces a token in this pass."""
+        return seq.num_computed_tokens + n >= seq.num_tokens
+
+
+@dataclass(slots=True)
+class UpdateResult:
+    """What applying a pass changed: new tokens, finished requests, KV events (in order)."""
+
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    events: list[KVCacheEvent] = field(default_factory=list)
 
 
 class Scheduler:
     """Waiting queue + running list of one DP rank, mutated only by ``add_request``, ``abort``
     and ``step`` (all from one task)."""
 
-    def __init__(self, config: MockerConfig, *, dp_rank: int = 0) -> None:
+    def __init__(self, config: SchedulerLimits, *, dp_rank: int = 0) -> None:
         self.config = config
         self.dp_rank = dp_rank
         self.kv = KVManager(
@@ -55,14 +74,6 @@ class Scheduler:
             dp_rank=dp_rank,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.timing = TimingModel(
-            total_kv_tokens=config.total_kv_tokens,
-            speedup_ratio=config.speedup_ratio,
-            decode_speedup_ratio=config.decode_speedup_ratio,
-            kv_transfer_bandwidth=config.kv_transfer_bandwidth,
-            kv_bytes_per_token=config.kv_bytes_per_token,
-        )
-        self._sampler = TokenSampler(config.vocab_size, config.special_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}
@@ -132,9 +143,15 @@ class Scheduler:
         return True
 
     # -- the pass ---------------------------------------------------------------------------
-    def step(self, now: float) -> StepOutput:
-        """Schedule, time and apply one forward pass starting at ``now``."""
-        out = StepOutput(start=now)
+    def transfer_seconds(self, num_prompt_tokens: int) -> float:
+        """How long a decode-side request waits for its prompt's KV (0: it is there at once).
+        The mocker overrides it with its transfer model."""
+        return 0.0
+
+    def schedule(self, now: float) -> ScheduledBatch:
+        """Decide the pass starting at ``now``: admit, allocate, preempt. The caller runs the
+        batch, then calls ``update`` with what it sampled."""
+        out = ScheduledBatch(start=now)
         budget = self.config.max_num_batched_tokens
         bs = self.config.block_size
         scheduled: dict[int, tuple[Sequence, int]] = {}
@@ -167,8 +184,13 @@ class Scheduler:
             budget -= n
         if not out.preempted:
             budget = self._admit_waiting(now, budget, scheduled)
-        self._run(out, scheduled.values())
-        out.events = self.kv.drain_events()
+        out.entries = list(scheduled.values())
+        for seq, n in out.entries:
+            if seq.num_computed_tokens >= seq.prefill_end:
+                out.num_decodes += 1
+                out.decode_context_tokens += len(seq.tokens)
+            else:
+                out.num_prefill_tokens += n
         return out
 
     def _admit_waiting(
@@ -182,7 +204,7 @@ class Scheduler:
             self._waiting.popleft()
             self._running.append(seq)
             if seq.pending_transfer:
-                seq.ready_at = now + self.timing.transfer_seconds(seq.num_prompt_tokens)
+                seq.ready_at = now + self.transfer_seconds(seq.num_prompt_tokens)
                 if seq.ready_at > now:
                     continue
                 seq.pending_transfer = False
@@ -198,14 +220,21 @@ class Scheduler:
         if seq.pending_transfer:
             computed = n_tokens - 1  # KV arrives from the prefill worker; recompute the last one
         else:
-            hit = self.kv.num_cached_prefix(seq.block_hashes)
+            hit = self.kv.num_cached_prefix(seq.block_hashes) if seq.reuse_prefix_cache else 0
             computed = min(hit * bs, n_tokens - 1)  # like vLLM, always compute >= 1 token
         new_tokens = n_tokens - computed
         if not cfg.enable_chunked_prefill and budget < new_tokens <= cfg.max_num_batched_tokens:
             # Wait for a pass with room. Larger ones (recomputes after a preemption) are chunked
             # anyway: no pass could ever hold them.
             return False
-        n_full = n_tokens // bs if cfg.enable_prefix_caching else 0
+        # Full (shared) at admission: only blocks whose KV is there (cache hits, or the whole
+        # transferred prompt); the rest are private until computed, then promoted.
+        if not cfg.enable_prefix_caching:
+            n_full = 0
+        elif seq.pending_transfer:
+            n_full = n_tokens // bs
+        else:
+            n_full = -(-computed // bs)
         n_unique = -(-n_tokens // bs) - n_full
         full, local = seq.block_hashes[:n_full], seq.local_hashes[:n_full]
         if self.kv.num_slots_needed(full, n_unique) > self.kv.num_available_blocks:
@@ -249,27 +278,23 @@ class Scheduler:
         self.kv.release(seq.full_blocks, seq.unique_blocks)
         seq.full_blocks, seq.unique_blocks = [], []
 
-    def _run(self, out: StepOutput, batch: Iterable[tuple[Sequence, int]]) -> None:
-        """Time the batch, then advance every sequence in it (promote filled tail blocks, sample
-        a token for those that caught up, retire the finished)."""
-        for seq, n in batch:
-            if seq.num_computed_tokens >= seq.prefill_end:
-                out.num_decodes += 1
-                out.decode_context_tokens += len(seq.tokens)
-            else:
-                out.num_prefill_tokens += n
-        out.duration = self.timing.pass_seconds(
-            out.num_prefill_tokens, out.decode_context_tokens, out.num_decodes
-        )
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> UpdateResult:
+        """Apply a pass the engine ran: advance every entry, store the blocks it filled, append
+        the token of each sampling entry (``sampled[i]`` for ``batch.entries[i]``; ``None``
+        for entries that do not sample) and retire the finished."""
+        out = UpdateResult()
         bs, caching = self.config.block_size, self.config.enable_prefix_caching
-        sample, tokens_out = self._sampler.sample, out.tokens
-        for seq, n in batch:
+        tokens_out = out.tokens
+        for (seq, n), token in zip(batch.entries, sampled, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the pass ran
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and seq.unique_blocks and computed >= (len(seq.full_blocks) + 1) * bs:
                 self._promote_filled(seq)
             if computed < len(seq.tokens):
                 continue  # a prefill chunk that has not reached the end
-            token = sample(seq)
+            if token is None:
+                raise ValueError(f"no token sampled for {seq.request_id!r}")
             seq.append_token(token)
             tokens_out.append((seq, token))
             reason = seq.finish_after(token)
@@ -281,16 +306,21 @@ class Scheduler:
                 self._free(seq)
                 del self._requests[seq.request_id]
             self._running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
+        out.events = self.kv.drain_events()
+        return out
 
     def _promote_filled(self, seq: Sequence) -> None:
         """Private tail blocks whose KV is complete become shareable full blocks."""
         bs = self.config.block_size
-        while seq.unique_blocks and (len(seq.full_blocks) + 1) * bs <= seq.num_computed_tokens:
-            k = len(seq.full_blocks)
-            h = seq.block_hashes[k]
-            parent = seq.block_hashes[k - 1] if k else None
-            self.kv.promote(seq.unique_blocks.pop(0), h, seq.local_hashes[k], parent)
-            seq.full_blocks.append(h)
+        k = len(seq.full_blocks)
+        n = min(seq.num_computed_tokens // bs - k, len(seq.unique_blocks))
+        if n <= 0:
+            return
+        hashes = seq.block_hashes[k : k + n]
+        parent = seq.block_hashes[k - 1] if k else None
+        self.kv.promote_run(seq.unique_blocks[:n], hashes, seq.local_hashes[k : k + n], parent)
+        del seq.unique_blocks[:n]
+        seq.full_blocks.extend(hashes)
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mocker_sim import BlockSetSubscriber
 
-from dynamo.mocker.kv_manager import KVManager
+from dynamo.engine_core.kv_manager import KVManager
 from dynamo.protocol.kv_events import BlocksRemoved, BlocksStored, StoredBlock
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
+from tests.unit.engine_core.block_set import BlockSetSubscriber
 
 BS = 4
 

@@ -1,12 +1,14 @@
 """KV block mechanism of one DP rank (FACTS §6.3): refcounted active blocks, an LRU inactive pool,
-prefix lookup by sequence hash, and the KV events (Stored / Removed) those changes produce.
+prefix lookup by sequence hash, the physical slot each block occupies, and the KV events
+(Stored / Removed) those changes produce.
 
-It decides nothing: the scheduler checks ``num_slots_needed`` first, then orders the change.
+It decides nothing: the scheduler checks ``num_slots_needed`` first, then orders the change. The
+mocker uses only the accounting; a real engine also reads the slots (its block tables index the
+KV pool tensors with them).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -28,10 +30,14 @@ class KVManager:
       ``active`` with a refcount; at refcount 0 they move to the ``inactive`` LRU pool, still
       cached, until evicted to make room (a ``Removed`` event). A full block entering the cache
       produces a ``Stored`` event (``block_hash`` = sequence hash, ``tokens_hash`` = local hash).
-    * unique blocks (an integer id), private to one sequence: its growing tail, or all its blocks
-      when prefix caching is off. They produce no events; a tail becomes full via ``promote``.
+    * unique blocks, private to one sequence: its growing tail, or all its blocks when prefix
+      caching is off. Their id *is* their slot. They produce no events; a tail becomes full via
+      ``promote``.
 
-    With prefix caching off no full block ever exists, so no event is ever produced.
+    Every block occupies one physical slot in ``[0, num_blocks)`` (``slot_of`` for a full block;
+    a unique block's id is its slot): a full block keeps its slot while cached (active or
+    inactive) and frees it on eviction. With prefix caching off no full block ever exists, so no
+    event is ever produced.
     """
 
     def __init__(
@@ -49,7 +55,10 @@ class KVManager:
         self._active: dict[int, int] = {}
         self._inactive: OrderedDict[int, None] = OrderedDict()
         self._unique: set[int] = set()
-        self._unique_ids = itertools.count(1)
+        self._slots: dict[int, int] = {}  # full block hash -> its slot
+        self._locals: dict[int, int] = {}  # full block hash -> its local (tokens) hash
+        # Free slots, popped from the end: lowest ids first, so a fresh pool fills in order.
+        self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._events: list[KVCacheEvent] = []
         self._next_event_id = 0
 
@@ -67,6 +76,20 @@ class KVManager:
     def num_available_blocks(self) -> int:
         """Slots a new block can take: free ones plus evictable inactive ones."""
         return self.num_blocks - self.num_active_blocks
+
+    def slot_of(self, block_hash: int) -> int:
+        """The physical slot of a cached full block (``KeyError`` if it is not cached)."""
+        return self._slots[block_hash]
+
+    def local_hash_of(self, block_hash: int) -> int:
+        """The local (tokens) hash of a cached full block (``KeyError`` if not cached)."""
+        return self._locals[block_hash]
+
+    def block_table(self, full_blocks: Sequence[int], unique_blocks: Sequence[int]) -> list[int]:
+        """Slots of a sequence's blocks, in token order (its full blocks lead, as in
+        ``Sequence``)."""
+        slots = self._slots
+        return [slots[h] for h in full_blocks] + list(unique_blocks)
 
     def refcount(self, block_hash: int) -> int:
         return self._active.get(block_hash, 0)
@@ -122,6 +145,8 @@ class KVManager:
         run: list[StoredBlock] = []
         for k, i in enumerate(new):
             self._active[block_hashes[i]] = 1
+            self._slots[block_hashes[i]] = self._free_slots.pop()
+            self._locals[block_hashes[i]] = local_hashes[i]
             run.append(StoredBlock(block_hash=block_hashes[i], tokens_hash=local_hashes[i]))
             if k + 1 == len(new) or new[k + 1] != i + 1:
                 start = i + 1 - len(run)
@@ -134,26 +159,51 @@ class KVManager:
         if n > self.num_available_blocks:
             return None
         self._make_room(n)
-        ids = [next(self._unique_ids) for _ in range(n)]
+        free = self._free_slots
+        ids = [free.pop() for _ in range(n)]
         self._unique.update(ids)
         return ids
 
     def promote(self, unique_id: int, block_hash: int, local_hash: int, parent: int | None) -> None:
         """A private tail block filled up: it becomes the full block ``block_hash``.
 
-        If that block is already cached the private copy collapses onto it (no event);
-        otherwise it is stored and announced with its parent.
+        If that block is already cached the private copy collapses onto it (no event; its slot
+        is freed: the cached copy holds the same KV); otherwise it is stored, in the same slot,
+        and announced with its parent.
         """
-        self._unique.remove(unique_id)
-        if block_hash in self._active:
-            self._active[block_hash] += 1
-        elif block_hash in self._inactive:
-            del self._inactive[block_hash]
-            self._active[block_hash] = 1
-        else:
-            self._active[block_hash] = 1
-            block = StoredBlock(block_hash=block_hash, tokens_hash=local_hash)
-            self._emit(BlocksStored(parent_hash=parent, blocks=[block]))
+        self.promote_run([unique_id], [block_hash], [local_hash], parent)
+
+    def promote_run(
+        self,
+        unique_ids: Sequence[int],
+        block_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        parent: int | None,
+    ) -> None:
+        """``promote`` consecutive blocks of one chain (``parent`` precedes the first), with one
+        ``Stored`` event per run of newly stored blocks, as ``use`` announces them."""
+        run: list[StoredBlock] = []
+        run_parent = parent
+        for unique_id, h, local in zip(unique_ids, block_hashes, local_hashes, strict=True):
+            self._unique.remove(unique_id)
+            if h in self._active or h in self._inactive:
+                if h in self._active:
+                    self._active[h] += 1
+                else:
+                    del self._inactive[h]
+                    self._active[h] = 1
+                self._free_slots.append(unique_id)
+                if run:
+                    self._emit(BlocksStored(parent_hash=run_parent, blocks=run))
+                    run = []
+                run_parent = h
+                continue
+            self._active[h] = 1
+            self._slots[h] = unique_id
+            self._locals[h] = local
+            run.append(StoredBlock(block_hash=h, tokens_hash=local))
+        if run:
+            self._emit(BlocksStored(parent_hash=run_parent, blocks=run))
 
     def release(self, block_hashes: Sequence[int], unique_ids: Sequence[int]) -> None:
         """Drop one reference to each full block and free the private blocks.
@@ -163,6 +213,7 @@ class KVManager:
         """
         for unique_id in unique_ids:
             self._unique.remove(unique_id)
+            self._free_slots.append(unique_id)
         for h in reversed(block_hashes):
             rc = self._active[h] - 1
             if rc:
@@ -182,6 +233,11 @@ class KVManager:
         assert not (self._active.keys() & self._inactive.keys()), "block both active and inactive"
         used = len(self._active) + len(self._unique) + len(self._inactive)
         assert used <= self.num_blocks, f"{used} blocks > capacity {self.num_blocks}"
+        assert used + len(self._free_slots) == self.num_blocks, "leaked slots"
+        assert self._slots.keys() == self._active.keys() | self._inactive.keys(), "slotless block"
+        assert self._locals.keys() == self._slots.keys(), "block without its local hash"
+        taken = [*self._slots.values(), *self._unique, *self._free_slots]
+        assert len(set(taken)) == self.num_blocks == len(taken), "slot used twice"
         if not self.enable_prefix_caching:
             assert not self._active and not self._inactive, "full blocks with caching off"
 
@@ -192,6 +248,8 @@ class KVManager:
         evicted: list[int] = []
         while free < n:
             h, _ = self._inactive.popitem(last=False)
+            self._free_slots.append(self._slots.pop(h))
+            del self._locals[h]
             evicted.append(h)
             free += 1
         if evicted:

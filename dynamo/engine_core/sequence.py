@@ -1,4 +1,4 @@
-"""Per-request state of the mocker: tokens, progress, held KV blocks and the output sampler.
+"""Per-request state of the shared scheduler: tokens, progress, held KV blocks, stop rules.
 
 The scheduler reasons with two numbers, as vLLM v1 does: ``num_tokens`` (prompt + generated) and
 ``num_computed_tokens`` (tokens whose KV is in the cache). A pass computes some of the difference;
@@ -12,7 +12,7 @@ from enum import Enum
 
 import xxhash
 
-from dynamo.mocker.config import MockerConfig
+from dynamo.engine_core.config import SchedulerLimits
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest
@@ -49,14 +49,17 @@ class Sequence:
     block_size: int
     lora_name: str | None
     rng_state: int
-    """State of the output-token generator (``TokenSampler``), seeded per request."""
+    """Per-request seed state: the mocker's token generator advances it; a real engine seeds
+    its sampler with it (the request's ``sampling.seed``, else derived from its id)."""
     stop_token_ids: frozenset[int]
     banned_token_ids: frozenset[int]
-    """Never sampled: the request's EOS ids (special tokens), on top of the model's."""
+    """The request's EOS ids: the mocker never samples them (they are special tokens)."""
     arrival: float
     handoff: DisaggregatedParams | None = None
     """Decode side of disaggregation: the prompt's KV arrives from this prefill worker."""
     pending_transfer: bool = False
+    reuse_prefix_cache: bool = True
+    """False when every prompt position must be computed (prompt log-probabilities)."""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     prefill_end: int = 0
@@ -133,42 +136,11 @@ def request_seed(request_id: str, seed: int | None) -> int:
     return int(xxhash.xxh3_64_intdigest(request_id.encode()))
 
 
-_LCG_MUL = 6364136223846793005  # Knuth's MMIX 64-bit LCG: cheap to seed, plenty for mock ids
-_LCG_INC = 1442695040888963407
 _MASK64 = (1 << 64) - 1
 
 
-class TokenSampler:
-    """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids).
-
-    A per-sequence 64-bit LCG (its high 32 bits scaled to the vocabulary): deterministic per
-    seed and far cheaper to seed than ``random.Random``, which matters at thousands of requests
-    per second.
-    """
-
-    __slots__ = ("_vocab_size", "_excluded")
-
-    def __init__(self, vocab_size: int, excluded: frozenset[int]) -> None:
-        if len([t for t in excluded if 0 <= t < vocab_size]) >= vocab_size:
-            raise ValueError("every vocabulary id is excluded")
-        self._vocab_size = vocab_size
-        self._excluded = excluded
-
-    def sample(self, seq: Sequence) -> int:
-        """The next id of ``seq``. Rejection sampling: special ids are few, so this almost never
-        loops."""
-        vocab, excluded, banned = self._vocab_size, self._excluded, seq.banned_token_ids
-        state = seq.rng_state
-        while True:
-            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            token = ((state >> 32) * vocab) >> 32
-            if token not in excluded and token not in banned:
-                seq.rng_state = state
-                return token
-
-
 def sequence_from_request(
-    config: MockerConfig,
+    config: SchedulerLimits,
     request: PreprocessedRequest,
     request_id: str,
     now: float,
@@ -230,4 +202,5 @@ def sequence_from_request(
         arrival=now,
         handoff=handoff,
         pending_transfer=handoff is not None,
+        reuse_prefix_cache=request.output.prompt_logprobs is None,
     )

@@ -1,0 +1,108 @@
+"""The mocker's stand-in for a model: the shared scheduler (``dynamo.engine_core``) plus a timing
+model (how long a pass takes, FACTS §6.4) and a token sampler (what it outputs: random ids).
+
+``MockerScheduler.step(now)`` is one simulated forward pass: schedule, time, sample, update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynamo.engine_core.scheduler import Scheduler
+from dynamo.engine_core.sequence import Sequence
+from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.timing import TimingModel
+from dynamo.protocol.kv_events import KVCacheEvent
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one pass did. ``duration`` is clock seconds (0 at speedup 0); the tokens exist at
+    ``start + duration``. ``events`` are the KV events of the pass, in order."""
+
+    start: float
+    duration: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decodes: int = 0
+    decode_context_tokens: int = 0
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    events: list[KVCacheEvent] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing ran (idle, or every running request waits for a KV transfer)."""
+        return self.num_prefill_tokens == 0 and self.num_decodes == 0
+
+
+class MockerScheduler(Scheduler):
+    """The shared scheduler driven by the mocker's timing model and random tokens."""
+
+    def __init__(self, config: MockerConfig, *, dp_rank: int = 0) -> None:
+        super().__init__(config, dp_rank=dp_rank)
+        self.mocker_config = config
+        self.timing = TimingModel(
+            total_kv_tokens=config.total_kv_tokens,
+            speedup_ratio=config.speedup_ratio,
+            decode_speedup_ratio=config.decode_speedup_ratio,
+            kv_transfer_bandwidth=config.kv_transfer_bandwidth,
+            kv_bytes_per_token=config.kv_bytes_per_token,
+        )
+        self._sampler = TokenSampler(config.vocab_size, config.special_token_ids)
+
+    def transfer_seconds(self, num_prompt_tokens: int) -> float:
+        return self.timing.transfer_seconds(num_prompt_tokens)
+
+    def step(self, now: float) -> StepOutput:
+        """Schedule, time and apply one forward pass starting at ``now``."""
+        batch = self.schedule(now)
+        out = StepOutput(
+            start=now,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decodes=batch.num_decodes,
+            decode_context_tokens=batch.decode_context_tokens,
+            preempted=batch.preempted,
+        )
+        out.duration = self.timing.pass_seconds(
+            batch.num_prefill_tokens, batch.decode_context_tokens, batch.num_decodes
+        )
+        sample, samples = self._sampler.sample, batch.samples
+        sampled = [sample(seq) if samples(seq, n) else None for seq, n in batch.entries]
+        result = self.update(batch, sampled)
+        out.tokens, out.finished, out.events = result.tokens, result.finished, result.events
+        return out
+
+
+_LCG_MUL = 6364136223846793005  # Knuth's MMIX 64-bit LCG: cheap to seed, plenty for mock ids
+_LCG_INC = 1442695040888963407
+_MASK64 = (1 << 64) - 1
+
+
+class TokenSampler:
+    """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids).
+
+    A per-sequence 64-bit LCG (its high 32 bits scaled to the vocabulary): deterministic per
+    seed and far cheaper to seed than ``random.Random``, which matters at thousands of requests
+    per second.
+    """
+
+    __slots__ = ("_vocab_size", "_excluded")
+
+    def __init__(self, vocab_size: int, excluded: frozenset[int]) -> None:
+        if len([t for t in excluded if 0 <= t < vocab_size]) >= vocab_size:
+            raise ValueError("every vocabulary id is excluded")
+        self._vocab_size = vocab_size
+        self._excluded = excluded
+
+    def sample(self, seq: Sequence) -> int:
+        """The next id of ``seq``. Rejection sampling: special ids are few, so this almost never
+        loops."""
+        vocab, excluded, banned = self._vocab_size, self._excluded, seq.banned_token_ids
+        state = seq.rng_state
+        while True:
+            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            token = ((state >> 32) * vocab) >> 32
+            if token not in excluded and token not in banned:
+                seq.rng_state = state
+                return token

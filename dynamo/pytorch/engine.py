@@ -1,0 +1,337 @@
+"""``TorchEngine``: a real model behind ``LLMEngine`` (spec 000) on the shared engine core.
+
+The model runs in a ``StepThread``; each pass's report comes back to the event loop with
+``call_soon_threadsafe`` and lands in per-request collectors that coalesce tokens when a
+consumer is slow (the step thread never waits for a consumer). KV events and load are handed
+to the sinks in pass order by one publishing task, exactly as the mocker hands them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.engine_core.scheduler import Scheduler
+from dynamo.engine_core.sequence import Sequence, sequence_from_request
+from dynamo.protocol.kv_events import KVEventBatch
+from dynamo.protocol.load import WorkerLoad
+from dynamo.protocol.model_card import EngineCapabilities
+from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
+from dynamo.protocol.request import GuidedDecodingOptions, PreprocessedRequest
+from dynamo.pytorch.collector import Collector
+from dynamo.pytorch.config import TorchEngineConfig
+from dynamo.pytorch.kv_cache import KVBlocks
+from dynamo.pytorch.loader import LoadedModel, load_model
+from dynamo.pytorch.sampler import (
+    MAX_TOP_LOGPROBS,
+    RequestSampler,
+    SamplingParams,
+    TokenConstraint,
+    make_generator,
+)
+from dynamo.pytorch.step_thread import Abort, Add, Call, EngineStats, StepReport, StepThread
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
+LoadSink = Callable[[WorkerLoad], Awaitable[None]]
+ConstraintFactory = Callable[[GuidedDecodingOptions], TokenConstraint]
+"""Builds a request's guided-decoding matcher (raises ``InvalidArgument`` for a bad spec)."""
+
+
+class TorchEngine(LLMEngine):
+    """See ``LLMEngine`` for the lifecycle. ``constraint_factory`` enables guided decoding."""
+
+    def __init__(
+        self,
+        config: TorchEngineConfig,
+        *,
+        kv_event_sink: KVEventSink | None = None,
+        load_sink: LoadSink | None = None,
+        constraint_factory: ConstraintFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_event_sink = kv_event_sink
+        self.load_sink = load_sink
+        self.constraint_factory = constraint_factory
+        self.worker_id: int | None = None
+        self.loaded: LoadedModel | None = None
+        self._thread: StepThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._collectors: dict[str, Collector] = {}
+        self._ctx_keys: dict[str, set[str]] = {}
+        self._keys = itertools.count()
+        self._outbox: asyncio.Queue[KVEventBatch | WorkerLoad] = asyncio.Queue()
+        self._publisher: asyncio.Task[None] | None = None
+        self._last_load: WorkerLoad | None = None
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, worker_id: int) -> EngineConfig:
+        if self._thread is not None:
+            raise RuntimeError("TorchEngine.start() called twice")
+        self.worker_id = worker_id
+        self._loop = asyncio.get_running_loop()
+        loaded = self.loaded = await asyncio.to_thread(load_model, self.config)
+        scheduler = Scheduler(loaded.settings)
+        thread = StepThread(scheduler, loaded.runner, self._report_threadsafe, worker_id=worker_id)
+        thread.on_crash = self._crash_threadsafe
+        self._thread = thread
+        self._publisher = asyncio.create_task(self._publish_loop(), name="pytorch-publish")
+        thread.start()
+        s = loaded.settings
+        return EngineConfig(
+            model=self.config.model_path,
+            served_model_name=self.config.served_model_name,
+            context_length=s.max_model_len,
+            kv_block_size=s.block_size,
+            total_kv_blocks=s.num_gpu_blocks,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            capabilities=self.capabilities,
+        )
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            logprobs=True,
+            max_top_logprobs=MAX_TOP_LOGPROBS,
+            prompt_logprobs=True,
+            min_p=True,
+            repetition_penalty=True,
+            presence_penalty=True,
+            frequency_penalty=True,
+            guided_decoding=self.constraint_factory is not None,
+        )
+
+    async def drain(self) -> None:
+        self._closed = True
+        self._fail_all(EngineShutdown("the pytorch engine is shutting down"))
+
+    async def cleanup(self) -> None:
+        """Stop the step thread and the publisher; end every open stream. Idempotent."""
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.stop)
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+        self._fail_all(EngineShutdown("the pytorch engine was cleaned up"))
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, request: PreprocessedRequest, ctx: GenerateContext
+    ) -> AsyncGenerator[LLMEngineOutput, None]:
+        thread, loaded = self._thread, self.loaded
+        if self._closed or thread is None or loaded is None:
+            raise EngineShutdown("the pytorch engine is not running")
+        key = f"{ctx.id}#{next(self._keys)}"
+        seq, sampler = self._build(request, key, ctx.id)
+        col = Collector(logprobs=sampler.params.logprobs is not None)
+        self._collectors[key] = col
+        self._ctx_keys.setdefault(ctx.id, set()).add(key)
+        thread.submit(Add(seq, sampler))
+        remove_monitor = ctx.on_stop(col.wake)
+        loop = asyncio.get_running_loop()
+        n_out = 0
+        try:
+            while True:
+                if (col.cancelled or ctx.is_stopped()) and col.terminal is None:
+                    out = col.take(FinishReason.CANCELLED)
+                    n_out += len(out.token_ids)
+                    out.usage = _usage(seq, n_out)
+                    yield out
+                    return
+                if col.error is not None:
+                    raise col.error
+                if col.terminal is not None:
+                    out = col.take(col.terminal)
+                    out.usage = _usage(seq, seq.num_output_tokens)
+                    yield out
+                    return
+                if col.has_tokens:
+                    out = col.take(None)
+                    n_out += len(out.token_ids)
+                    yield out
+                    continue
+                col.waiter = loop.create_future()
+                await col.waiter
+                col.waiter = None
+        finally:
+            remove_monitor()
+            self._forget(key, ctx.id)
+            if not col.done:  # queued or running: free its blocks now, on any exit path
+                thread.submit(Abort(key))
+
+    def _build(
+        self, request: PreprocessedRequest, key: str, ctx_id: str
+    ) -> tuple[Sequence, RequestSampler]:
+        assert self.loaded is not None
+        settings, vocab = self.loaded.settings, self.loaded.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.token_ids):
+            raise InvalidArgument(f"token ids must be in [0, {vocab})")
+        seq = sequence_from_request(
+            settings, request, key, 0.0, seed_id=request.request_id or ctx_id
+        )
+        params = SamplingParams.from_request(request)
+        constraint = None
+        guided = request.sampling.guided_decoding
+        if guided is not None:
+            if self.constraint_factory is None:
+                raise InvalidArgument("guided decoding is not supported by this engine")
+            constraint = self.constraint_factory(guided)
+        sampler = RequestSampler(
+            params=params,
+            generator=make_generator(seq.rng_state, self.loaded.model.device),
+            stop_token_ids=seq.stop_token_ids,
+            constraint=constraint,
+            prompt_logprobs=[None] if request.output.prompt_logprobs is not None else None,
+        )
+        return seq, sampler
+
+    async def abort(self, ctx: Context) -> None:
+        """Free the context's requests now; their streams end with a ``cancelled`` terminal."""
+        thread = self._thread
+        for key in list(self._ctx_keys.get(ctx.id, ())):
+            col = self._collectors.get(key)
+            if col is not None and not col.done:
+                col.cancelled = True
+                if thread is not None:
+                    thread.submit(Abort(key))
+                col.wake()
+
+    def _forget(self, key: str, ctx_id: str) -> None:
+        self._collectors.pop(key, None)
+        keys = self._ctx_keys.get(ctx_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._ctx_keys[ctx_id]
+
+    # -- KV export / import (disaggregation) ---------------------------------------------------
+    async def export_kv(self, block_hashes: list[int]) -> KVBlocks:
+        """The K/V of the leading cached blocks of ``block_hashes`` (stops at the first block
+        not cached: the result may be shorter)."""
+        loaded = self._require_loaded()
+        return await self._call(lambda: loaded.export_blocks(self._scheduler(), block_hashes))
+
+    async def import_kv(self, blocks: KVBlocks) -> int:
+        """Store exported blocks in this engine's prefix cache (announced with KV events, as
+        computed blocks are). Returns how many were new. ``InvalidArgument`` on a layout
+        mismatch or no room."""
+        loaded = self._require_loaded()
+        return await self._call(lambda: loaded.import_blocks(self._scheduler(), blocks))
+
+    def _require_loaded(self) -> LoadedModel:
+        if self.loaded is None or self._thread is None:
+            raise EngineShutdown("the pytorch engine is not running")
+        return self.loaded
+
+    def _scheduler(self) -> Scheduler:
+        assert self._thread is not None
+        return self._thread.scheduler
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        thread, loop = self._thread, asyncio.get_running_loop()
+        if thread is None:
+            raise EngineShutdown("the pytorch engine is not running")
+        future: asyncio.Future[T] = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        thread.submit(Call(fn, done))
+        return await future
+
+    # -- reports from the step thread ------------------------------------------------------------
+    def _report_threadsafe(self, report: StepReport) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._deliver, report)
+
+    def _crash_threadsafe(self, exc: BaseException) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_crash)
+
+    def _on_crash(self) -> None:
+        self._closed = True
+        self._fail_all(EngineShutdown("the pytorch engine's step loop crashed"))
+
+    def _deliver(self, report: StepReport) -> None:
+        collectors = self._collectors
+        for item in report.outputs:
+            col = collectors.get(item.request_id)
+            if col is not None:
+                if item.prompt_logprobs is not None:
+                    col.prompt_logprobs = item.prompt_logprobs
+                col.add(item.token, item.logprob, item.top)
+        for seq in report.finished:
+            col = collectors.get(seq.request_id)
+            if col is not None:
+                col.done = True
+                col.terminal = seq.finish_reason or FinishReason.STOP
+                col.wake()
+        if report.events:
+            self._outbox.put_nowait(
+                KVEventBatch(worker_id=self.worker_id or 0, events=report.events)
+            )
+        if report.load is not None and report.load != self._last_load:
+            self._last_load = report.load
+            self._outbox.put_nowait(report.load)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            item = await self._outbox.get()
+            try:
+                if isinstance(item, KVEventBatch):
+                    if self.kv_event_sink is not None:
+                        await self.kv_event_sink(item)
+                elif self.load_sink is not None:
+                    await self.load_sink(item)
+            except Exception:
+                log.exception("publishing KV events / load failed")
+
+    def _fail_all(self, error: DynamoError) -> None:
+        for col in self._collectors.values():
+            if col.terminal is None and col.error is None:
+                col.error = error
+                col.wake()
+
+    # -- introspection (tests, metrics) ----------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats | None:
+        return self._thread.stats if self._thread is not None else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self._thread.scheduler if self._thread is not None else None
+
+    async def check_invariants(self) -> None:
+        """Run the scheduler's invariant checks on the step thread (tests)."""
+        await self._call(lambda: self._scheduler().check_invariants())
+
+
+def _usage(seq: Sequence, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=seq.num_cached_tokens,
+    )

@@ -1,0 +1,85 @@
+"""``python -m dynamo.pytorch`` in a subprocess: serves a tiny model over the TCP request plane,
+greedy output equals transformers', its engine metrics are on /metrics, SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+pytest.importorskip("torch")
+
+from dynamo.protocol.output import FinishReason, LLMEngineOutput  # noqa: E402
+from dynamo.protocol.request import (  # noqa: E402
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo.runtime.config import RuntimeConfig  # noqa: E402
+from dynamo.runtime.context import Context  # noqa: E402
+from dynamo.runtime.naming import EndpointId  # noqa: E402
+from dynamo.runtime.runtime import DistributedRuntime  # noqa: E402
+from tests.tiny_models import build, hf_greedy  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(LLMEngineOutput)
+
+
+@pytest.fixture
+async def runtime(discovery_dir: str) -> AsyncIterator[DistributedRuntime]:
+    rt = DistributedRuntime(RuntimeConfig(discovery_backend="file", discovery_dir=discovery_dir))
+    await rt.start()
+    yield rt
+    await rt.shutdown()
+
+
+async def test_pytorch_worker_process(
+    spawn: Any, runtime: DistributedRuntime, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = build("llama", tmp_path_factory.getbasetemp())
+    proc = spawn(
+        [
+            "-m",
+            "dynamo.pytorch",
+            "--model-path",
+            str(model),
+            "--model-name",
+            "tiny",
+            "--block-size",
+            "16",
+            "--kv-cache-memory",
+            "16MiB",
+            "--torch-threads",
+            "1",
+            "--system-port",
+            "0",
+        ]
+    )
+    client = await runtime.client(EndpointId("dynamo", "backend", "generate"))
+    await client.wait_for_instances(1, timeout=60)
+    prompt = list(range(10, 60))
+    body = _enc.encode(
+        PreprocessedRequest(
+            model="tiny",
+            token_ids=prompt,
+            sampling=SamplingOptions(temperature=0.0),
+            stop=StopConditions(max_tokens=8, ignore_eos=True),
+        )
+    )
+    outs = [_dec.decode(raw) async for raw in client.stream(body, Context())]
+    assert [t for o in outs for t in o.token_ids] == hf_greedy(model, prompt, 8)
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    line = proc.wait_for("status server listening on")
+    port = int(line.rsplit(":", 1)[1].split()[0])
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    assert "dynamo_component_total_blocks" in metrics
+    assert "dynamo_component_engine_output_tokens_total" in metrics
+    proc.popen.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.popen.wait, 15) == 0
