@@ -15,8 +15,8 @@ import random
 
 import xxhash
 
+from dynamo.engine_core.sequence import request_seed
 from dynamo.mocker.config import MockerConfig
-from dynamo.mocker.sequence import request_seed
 from dynamo.protocol.model_card import EngineCapabilities
 from dynamo.protocol.output import LLMEngineOutput, TopLogprob
 from dynamo.protocol.request import PreprocessedRequest
