@@ -16,7 +16,7 @@ from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.scheduler import Scheduler, StepOutput
 from dynamo.mocker.sequence import Sequence, sequence_from_request
-from dynamo.mocker.timing import Clock, RealClock
+from dynamo.mocker.timing import Clock, RealClock, pass_sleep, pass_start
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad
@@ -209,28 +209,38 @@ class MockerEngine(LLMEngine):
 
     # -- the step loop -------------------------------------------------------------------------
     async def _step_loop(self, rank: _Rank) -> None:
+        """One pass after another. While the rank stays busy each pass starts at the previous
+        pass's end (an absolute deadline), not at whenever the loop got round to it: the loop's
+        own cost (step(), delivery, sleep overshoot) then never adds to the modelled time."""
         sched = rank.scheduler
+        previous_end: float | None = None  # end of the last pass while busy (None: idle)
         try:
             await self._publish_load(rank)  # routers learn the capacity before any request
             while True:
-                self._drain_inbox(rank)
+                latest_arrival = self._drain_inbox(rank)
                 if not sched.has_work:
+                    previous_end = None
                     await self._publish_load(rank)  # an abort may have freed blocks
                     rank.wake.clear()
                     await rank.wake.wait()
                     continue
-                out = sched.step(self.clock.now())
+                start = pass_start(self.clock.now(), previous_end, latest_arrival)
+                out = sched.step(start)
                 if out.is_empty:  # every running request awaits its KV transfer
+                    previous_end = None
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
-                    await self.clock.sleep(out.start + out.duration - self.clock.now())
-                elif out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
-                    # Speedup 0 (no simulated time): let consumers and arrivals run after a
-                    # prefill (first tokens go out at once) and every SPEEDUP0_SLICE_S of work;
-                    # decode tokens in between reach the collectors, which coalesce them.
-                    await asyncio.sleep(0)
-                    rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
+                    previous_end = out.start + out.duration
+                    await self.clock.sleep(pass_sleep(self.clock.now(), previous_end, out.duration))
+                else:
+                    previous_end = None
+                    if out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
+                        # Speedup 0 (no simulated time): let consumers and arrivals run after a
+                        # prefill (first tokens go out at once) and every SPEEDUP0_SLICE_S of
+                        # work; decode tokens in between reach the collectors (coalescing).
+                        await asyncio.sleep(0)
+                        rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 self._deliver(rank, out)
                 await self._publish(rank, out)
         except asyncio.CancelledError:
@@ -240,15 +250,19 @@ class MockerEngine(LLMEngine):
             self._closed = True
             self._fail_all(EngineShutdown("the mocker's step loop crashed"))
 
-    def _drain_inbox(self, rank: _Rank) -> None:
+    def _drain_inbox(self, rank: _Rank) -> float | None:
+        """Apply queued arrivals and aborts; returns the latest arrival time (None: none)."""
         inbox, rank.inbox = rank.inbox, []
+        latest: float | None = None
         for seq, key in inbox:
             if seq is not None:
                 rank.scheduler.enqueue(seq)
+                latest = seq.arrival if latest is None else max(latest, seq.arrival)
             elif rank.scheduler.abort(key):
                 col = rank.collectors.get(key)
                 if col is not None:
                     col.done = True
+        return latest
 
     async def _idle_until(self, rank: _Rank, ready_at: float | None) -> None:
         """Wait for new inbox items or, at the latest, until ``ready_at``."""

@@ -74,6 +74,40 @@ class TimingModel:
         return num_prompt_tokens * per_token / (bw * 1e9) / self.speedup_ratio
 
 
+MAX_PASS_LAG_S = 0.05
+"""How far behind its schedule the step loop may run and still catch up. A loop starved for
+longer (a blocked event loop, a machine under load) restarts its schedule from now rather than
+release a burst of back-dated passes."""
+
+
+def pass_start(now: float, previous_end: float | None, latest_arrival: float | None) -> float:
+    """When the next pass starts, on the clock.
+
+    A busy loop runs passes back to back: the next one starts where the previous ended
+    (``previous_end``), even if the loop woke a little late, so the mean pass time equals the
+    model's and sleep overshoot or the loop's own CPU time never accumulate. It never starts
+    before a request it includes arrived, nor more than ``MAX_PASS_LAG_S`` in the past; after an
+    idle period (``previous_end`` None) it starts now.
+    """
+    if previous_end is None or now - previous_end > MAX_PASS_LAG_S:
+        return now
+    start = min(now, previous_end)
+    if latest_arrival is not None and latest_arrival > start:
+        start = min(now, latest_arrival)
+    return start
+
+
+MIN_SLEEP_FRACTION = 0.5
+"""A pass that catches up still sleeps at least this fraction of its duration, so that the
+tokens of consecutive passes never leave back to back (they would coalesce into one chunk)."""
+
+
+def pass_sleep(now: float, end: float, duration: float) -> float:
+    """How long to sleep for a pass that ends at ``end`` on the schedule: until then, but at
+    least ``MIN_SLEEP_FRACTION`` of its ``duration`` (a late loop catches up over a few passes)."""
+    return max(end - now, duration * MIN_SLEEP_FRACTION)
+
+
 class Clock(Protocol):
     """Time source of the mocker: ``now()`` in seconds, ``sleep`` lets that much time pass."""
 
