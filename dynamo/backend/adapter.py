@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from dynamo.backend.engine import LLMEngine
-from dynamo.backend.validate import StreamValidator
+from dynamo.backend.validate import StreamValidator, strict_from_env
 from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
@@ -33,10 +33,16 @@ class EngineAdapter:
     """Bridges an :class:`LLMEngine` to a request-plane handler. Owns the abort tasks."""
 
     def __init__(
-        self, engine: LLMEngine, *, strict: bool = False, metrics: WorkerMetrics | None = None
+        self,
+        engine: LLMEngine,
+        *,
+        strict: bool | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
+        """``strict``: raise on stream-contract violations instead of repairing them (None:
+        ``DYN_STRICT_STREAM_VALIDATION``)."""
         self.engine = engine
-        self.strict = strict
+        self.strict = strict_from_env() if strict is None else strict
         self.metrics = metrics
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self.num_inflight = 0

@@ -48,7 +48,7 @@ class WorkerConfig:
     endpoint: str = "generate"
     disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
     graceful_shutdown_timeout: float = 5.0
-    strict_validation: bool = False
+    strict_validation: bool | None = None  # None: DYN_STRICT_STREAM_VALIDATION
     install_signal_handlers: bool = True
     system_host: str = "0.0.0.0"
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
