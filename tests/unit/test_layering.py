@@ -27,7 +27,7 @@ LEVEL = {
     "bench": 3,
 }
 # Composition roots that may wire top-level packages together.
-ROOTS = {"cli", "serve", "serve_inprocess", "__main__"}
+ROOTS = {"cli", "serve", "serve_args", "serve_inprocess", "__main__"}
 TOP = {"frontend", "mocker", "slot_tracker", "bench"}
 
 
