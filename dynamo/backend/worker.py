@@ -18,7 +18,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,9 +26,9 @@ from prometheus_client import CollectorRegistry
 
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
-from dynamo.backend.engine import EngineConfig, LLMEngine
+from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.status_server import StatusServer
-from dynamo.observability.metrics import WorkerMetrics
+from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId, new_instance_id
@@ -100,6 +100,13 @@ class Worker:
             )
             for e in engines
         ]
+        EngineGauges(
+            self.metrics_registry,
+            endpoint.namespace,
+            endpoint.component,
+            endpoint.endpoint,
+            self._engine_metrics,
+        )
         self.status: StatusServer | None = None
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
@@ -160,6 +167,19 @@ class Worker:
     def _health(self) -> dict[str, bool]:
         serving = self.ready.is_set() and not self._shutdown.is_set()
         return {self.config.endpoint: serving}
+
+    def _engine_metrics(self) -> Iterator[tuple[str, int, Sequence[RankMetrics]]]:
+        """Each started engine's gauges (an engine whose snapshot fails is left out)."""
+        for reg in self._regs:
+            ec = reg.engine_config
+            if ec is None or reg.cleaned:
+                continue
+            try:
+                snapshot = reg.engine.metrics_snapshot()
+            except Exception:
+                log.exception("metrics_snapshot() of engine %x failed", reg.worker_id)
+                continue
+            yield self.config.served_model_name or ec.name, reg.worker_id, snapshot
 
     async def _start_or_abandon(self) -> bool:
         """Start runtime and engines; False if shutdown was requested first."""

@@ -12,11 +12,12 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.scheduler import Scheduler, StepOutput
 from dynamo.mocker.sequence import Sequence, sequence_from_request
 from dynamo.mocker.timing import Clock, RealClock, pass_sleep, pass_start
+from dynamo.observability.metrics import HitRateWindow
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad
@@ -67,6 +68,7 @@ class _Rank:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_load: WorkerLoad | None = None
     next_yield: float = 0.0
+    hit_rate: HitRateWindow = field(default_factory=HitRateWindow)
 
 
 class MockerEngine(LLMEngine):
@@ -287,6 +289,8 @@ class MockerEngine(LLMEngine):
     def _deliver(self, rank: _Rank, out: StepOutput) -> None:
         collectors = rank.collectors
         for seq, token in out.tokens:
+            if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
+                rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
             col = collectors.get(seq.request_id)
             if col is not None:
                 col.tokens.append(token)
@@ -339,7 +343,26 @@ class MockerEngine(LLMEngine):
                     col.error = error
                     col.wake()
 
-    # -- introspection (tests, benchmarks) -------------------------------------------------------
+    # -- introspection -------------------------------------------------------------------------
+    def metrics_snapshot(self) -> list[RankMetrics]:
+        """KV usage, running and waiting requests and prefix hit rate of every rank, now."""
+        out = []
+        for rank in self._ranks:
+            sched = rank.scheduler
+            out.append(
+                RankMetrics(
+                    dp_rank=rank.index,
+                    kv_total_blocks=sched.kv.num_blocks,
+                    kv_used_blocks=sched.kv.num_active_blocks,
+                    num_running=sched.num_running,
+                    num_waiting=sched.num_waiting,
+                    prefix_cache_hit_rate=(
+                        rank.hit_rate.rate if self.config.enable_prefix_caching else None
+                    ),
+                )
+            )
+        return out
+
     @property
     def schedulers(self) -> list[Scheduler]:
         return [rank.scheduler for rank in self._ranks]

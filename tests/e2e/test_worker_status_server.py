@@ -55,6 +55,13 @@ def test_status_server_health_live_metrics(spawn: Any) -> None:
     assert "dynamo_component_requests_total" in metrics.text
     assert 'dynamo_component="backend"' in metrics.text
     assert "dynamo_component_uptime_seconds" in metrics.text
+    for gauge in (  # the mocker's engine gauges (reference names)
+        "dynamo_component_total_blocks",
+        "dynamo_component_gpu_cache_usage_percent",
+        "dynamo_component_num_requests_running",
+        "dynamo_component_num_requests_waiting",
+    ):
+        assert re.search(rf'^{gauge}{{.*model="demo".*}} ', metrics.text, re.M), gauge
     assert httpx.get(f"{base}/nope").status_code == 404
     proc.popen.send_signal(signal.SIGTERM)
     proc.popen.wait(15)
