@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
+from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, parse_payload
 from dynamo.backend.status_server import StatusServer
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
@@ -52,6 +53,7 @@ class WorkerConfig:
     install_signal_handlers: bool = True
     system_host: str = "0.0.0.0"
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig.from_env)
 
     def endpoint_id(self) -> EndpointId:
         component = self.component or self.disaggregation_mode.component
@@ -67,6 +69,7 @@ class _Registration:
     served: ServedEndpoint | None = None
     card_key: str | None = None
     cleaned: bool = False
+    canary: HealthCanary | None = None
 
 
 class Worker:
@@ -142,6 +145,7 @@ class Worker:
             await self._start_status_server()
             if await self._start_or_abandon():
                 await self._register()
+                self._start_canaries()
                 for hook in self._hooks:
                     await hook(self)
                 self.ready.set()
@@ -166,7 +170,29 @@ class Worker:
 
     def _health(self) -> dict[str, bool]:
         serving = self.ready.is_set() and not self._shutdown.is_set()
-        return {self.config.endpoint: serving}
+        canaries_ok = all(r.canary is None or r.canary.healthy for r in self._regs)
+        return {self.config.endpoint: serving and canaries_ok}
+
+    def _start_canaries(self) -> None:
+        """One health-check canary per registered engine that has a payload (FACTS §8)."""
+        hc = self.config.health_check
+        if not hc.enabled:
+            return
+        for reg in self._regs:
+            assert reg.engine_config is not None and reg.served is not None
+            payload = reg.engine.health_check_payload()
+            if hc.payload is not None:
+                try:
+                    payload = parse_payload(hc.payload, reg.engine_config.name)
+                except (ValueError, OSError) as exc:
+                    log.error("%s; using the engine's own health-check payload", exc)
+            if payload is None:
+                log.warning("engine %x has no health-check payload: not probed", reg.worker_id)
+                continue
+            reg.canary = HealthCanary(
+                self.runtime, reg.served, payload, hc, _activity_of(reg.adapter)
+            )
+            reg.canary.start()
 
     def _engine_metrics(self) -> Iterator[tuple[str, int, Sequence[RankMetrics]]]:
         """Each started engine's gauges (an engine whose snapshot fails is left out)."""
@@ -247,6 +273,9 @@ class Worker:
         )
 
     async def _teardown(self) -> None:
+        for reg in self._regs:
+            if reg.canary is not None:
+                await reg.canary.stop()
         # 1. Leave discovery: routers stop picking us; requests already sent still arrive.
         for reg in self._regs:
             await self._unregister(reg)
@@ -296,6 +325,10 @@ class Worker:
                 await reg.engine.cleanup()
             except Exception:
                 log.exception("engine.cleanup failed")
+
+
+def _activity_of(adapter: EngineAdapter) -> Callable[[], float]:
+    return lambda: adapter.last_activity
 
 
 def _tokenizer_checksum(model_path: str) -> str | None:

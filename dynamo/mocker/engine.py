@@ -22,7 +22,7 @@ from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
-from dynamo.protocol.request import PreprocessedRequest
+from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 
@@ -344,6 +344,16 @@ class MockerEngine(LLMEngine):
                     col.wake()
 
     # -- introspection -------------------------------------------------------------------------
+    def health_check_payload(self) -> PreprocessedRequest:
+        """One prompt token, one output token: the cheapest request that runs a full pass."""
+        cfg = self.config
+        return PreprocessedRequest(
+            model=cfg.served_model_name,
+            token_ids=[1],
+            stop=StopConditions(max_tokens=1, ignore_eos=True),
+            sampling=SamplingOptions(greedy=True),
+        )
+
     def metrics_snapshot(self) -> list[RankMetrics]:
         """KV usage, running and waiting requests and prefix hit rate of every rank, now."""
         out = []
