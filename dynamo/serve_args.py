@@ -108,14 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         own,
         "--model-path",
         default=None,
-        env="DYN_SERVE_MODEL_PATH",
         help="model directory (default: the demo model that ships in the package)",
     )
     add_flag(
         own,
         "--model-name",
         default=DEMO_MODEL_NAME,
-        env="DYN_SERVE_MODEL_NAME",
         help="served model name",
     )
     add_flag(own, "--namespace", default="dynamo", help="dynamo namespace")
