@@ -28,7 +28,7 @@ from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, parse_payload
-from dynamo.backend.status_server import StatusServer
+from dynamo.backend.status_server import StatusServer, starting_ready
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
@@ -111,6 +111,7 @@ class Worker:
             self._engine_metrics,
         )
         self.status: StatusServer | None = None
+        self._starting_ready = starting_ready()
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
         self._hooks: list[Callable[[Worker], Awaitable[None]]] = []
@@ -169,6 +170,8 @@ class Worker:
         log.info("status server listening on %s:%d", self.config.system_host, self.status.port)
 
     def _health(self) -> dict[str, bool]:
+        if not self.ready.is_set() and not self._shutdown.is_set():  # still starting
+            return {self.config.endpoint: self._starting_ready}
         serving = self.ready.is_set() and not self._shutdown.is_set()
         canaries_ok = all(r.canary is None or r.canary.healthy for r in self._regs)
         return {self.config.endpoint: serving and canaries_ok}

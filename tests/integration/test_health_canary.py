@@ -23,7 +23,7 @@ from dynamo.runtime.context import Context
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
-CANARIES = HealthCheckConfig(enabled=True, canary_wait_s=0.2, request_timeout_s=0.3)
+CANARIES = HealthCheckConfig(enabled=True, canary_wait_s=0.2, request_timeout_s=1.0)
 
 
 class HangableMocker(MockerEngine):

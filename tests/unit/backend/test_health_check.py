@@ -21,7 +21,7 @@ from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 from tests.fakes import CountingEngine
 
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
-FAST = HealthCheckConfig(enabled=True, canary_wait_s=0.05, request_timeout_s=0.2)
+FAST = HealthCheckConfig(enabled=True, canary_wait_s=0.05, request_timeout_s=1.0)
 
 
 def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
