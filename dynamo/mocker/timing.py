@@ -74,10 +74,10 @@ class TimingModel:
         return num_prompt_tokens * per_token / (bw * 1e9) / self.speedup_ratio
 
 
-MAX_PASS_LAG_S = 0.05
-"""How far behind its schedule the step loop may run and still catch up. A loop starved for
-longer (a blocked event loop, a machine under load) restarts its schedule from now rather than
-release a burst of back-dated passes."""
+MAX_PASS_LAG_S = 0.5
+"""How far behind its schedule the step loop may run and still catch up (a GPU keeps computing
+while the host is descheduled; catching up is at most 2x fast, see ``MIN_SLEEP_FRACTION``). A
+loop starved for longer (a blocked event loop) restarts its schedule from now instead."""
 
 
 def pass_start(now: float, previous_end: float | None, latest_arrival: float | None) -> float:
@@ -85,11 +85,14 @@ def pass_start(now: float, previous_end: float | None, latest_arrival: float | N
 
     A busy loop runs passes back to back: the next one starts where the previous ended
     (``previous_end``), even if the loop woke a little late, so the mean pass time equals the
-    model's and sleep overshoot or the loop's own CPU time never accumulate. It never starts
-    before a request it includes arrived, nor more than ``MAX_PASS_LAG_S`` in the past; after an
-    idle period (``previous_end`` None) it starts now.
+    model's and sleep overshoot or the loop's own CPU time never accumulate. After an idle
+    period (``previous_end`` None) it starts when the newest request it includes arrived (the
+    loop's wake-up is not the engine's time either). It never starts before a request it
+    includes arrived, nor more than ``MAX_PASS_LAG_S`` in the past, nor in the future.
     """
     if previous_end is None or now - previous_end > MAX_PASS_LAG_S:
+        if latest_arrival is not None and 0.0 <= now - latest_arrival <= MAX_PASS_LAG_S:
+            return latest_arrival
         return now
     start = min(now, previous_end)
     if latest_arrival is not None and latest_arrival > start:

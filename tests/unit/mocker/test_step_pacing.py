@@ -79,8 +79,10 @@ async def test_after_idle_the_schedule_restarts_from_now() -> None:
 
 
 def test_pass_start_rules() -> None:
-    # Idle: start now.
+    # Idle: start now, or when the request that woke the loop arrived (not at the wake-up).
     assert pass_start(10.0, None, None) == 10.0
+    assert pass_start(10.001, None, 10.0) == 10.0
+    assert pass_start(10.0 + MAX_PASS_LAG_S * 2, None, 10.0) == 10.0 + MAX_PASS_LAG_S * 2
     # Busy and woke late: start at the previous pass's end.
     assert pass_start(10.001, 10.0, None) == 10.0
     # Never before an arrival the pass includes, never after now.
