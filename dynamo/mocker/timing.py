@@ -102,13 +102,19 @@ def pass_start(now: float, previous_end: float | None, latest_arrival: float | N
 
 MIN_SLEEP_FRACTION = 0.5
 """A pass that catches up still sleeps at least this fraction of its duration, so that the
-tokens of consecutive passes never leave back to back (they would coalesce into one chunk)."""
+tokens of consecutive passes do not leave back to back (they would coalesce into one chunk)..."""
+TIMER_GRANULARITY_S = 0.001
+"""... unless that is shorter than an event-loop timer can sleep (epoll and libuv wake up in
+whole milliseconds): then a pass behind schedule does not sleep at all, which is how a loop at a
+high speedup keeps the model's pace with passes shorter than a timer tick."""
 
 
 def pass_sleep(now: float, end: float, duration: float) -> float:
     """How long to sleep for a pass that ends at ``end`` on the schedule: until then, but at
-    least ``MIN_SLEEP_FRACTION`` of its ``duration`` (a late loop catches up over a few passes)."""
-    return max(end - now, duration * MIN_SLEEP_FRACTION)
+    least ``MIN_SLEEP_FRACTION`` of its ``duration`` when that is a sleep a timer can do (a late
+    loop catches up over a few passes)."""
+    floor = duration * MIN_SLEEP_FRACTION
+    return max(end - now, floor if floor >= TIMER_GRANULARITY_S else 0.0)
 
 
 class Clock(Protocol):

@@ -99,3 +99,27 @@ def test_a_late_loop_catches_up_without_back_to_back_passes() -> None:
     assert pass_sleep(10.0, 10.006, 0.006) == pytest.approx(0.006)
     # 5 ms late for a 6 ms pass: sleep half the pass, not 1 ms (tokens would coalesce).
     assert pass_sleep(10.005, 10.006, 0.006) == pytest.approx(0.003)
+    # A pass shorter than two timer ticks (a high speedup) behind schedule: no sleep at all.
+    assert pass_sleep(10.001, 10.0006, 0.0006) == 0.0
+    assert pass_sleep(10.0, 10.0006, 0.0006) == pytest.approx(0.0006)
+
+
+async def test_a_high_speedup_keeps_the_model_pace_despite_timer_ticks() -> None:
+    class TickClock(VirtualClock):
+        """Sleeps last whole milliseconds (rounded up), like epoll."""
+
+        async def sleep(self, seconds: float) -> None:
+            ticks = -(-max(0.0, seconds) // 0.001)
+            await super().sleep(ticks * 0.001)
+
+    clock = TickClock()
+    engine = MockerEngine(MockerConfig(speedup_ratio=20), clock=clock)
+    await engine.start(1)
+    try:
+        times: list[float] = []
+        async for out in engine.generate(make_request(1024, 201), Context()):
+            times.extend([clock.now()] * len(out.token_ids))
+    finally:
+        await engine.cleanup()
+    model = sum(decode_ms(1024 + i, TOTAL) for i in range(1, 201)) / 200 / 20 / 1000
+    assert (times[-1] - times[0]) / 200 == pytest.approx(model, rel=0.02)
