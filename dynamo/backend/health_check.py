@@ -63,12 +63,22 @@ class HealthCheckConfig:
             raise ValueError(f"DYN_HEALTH_CHECK_ENABLED must be a boolean, not {enabled!r}")
         return cls(
             enabled=enabled in ("1", "true", "yes", "on"),
-            canary_wait_s=float(env.get("DYN_CANARY_WAIT_TIME", DEFAULT_CANARY_WAIT_S)),
-            request_timeout_s=float(
-                env.get("DYN_HEALTH_CHECK_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT_S)
+            canary_wait_s=_seconds("DYN_CANARY_WAIT_TIME", DEFAULT_CANARY_WAIT_S),
+            request_timeout_s=_seconds(
+                "DYN_HEALTH_CHECK_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT_S
             ),
             payload=env.get("DYN_HEALTH_CHECK_PAYLOAD") or None,
         )
+
+
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be a number of seconds, not {raw!r}") from None
 
 
 def parse_payload(raw: str, model: str) -> PreprocessedRequest:

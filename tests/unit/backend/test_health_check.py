@@ -34,6 +34,10 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_HEALTH_CHECK_REQUEST_TIMEOUT", "0.5")
     monkeypatch.setenv("DYN_HEALTH_CHECK_PAYLOAD", '{"token_ids": [1]}')
     assert HealthCheckConfig.from_env() == HealthCheckConfig(True, 2.5, 0.5, '{"token_ids": [1]}')
+    monkeypatch.setenv("DYN_CANARY_WAIT_TIME", "soon")
+    with pytest.raises(ValueError, match="DYN_CANARY_WAIT_TIME must be a number"):
+        HealthCheckConfig.from_env()
+    monkeypatch.setenv("DYN_CANARY_WAIT_TIME", "2.5")
     monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "sometimes")
     with pytest.raises(ValueError, match="DYN_HEALTH_CHECK_ENABLED"):
         HealthCheckConfig.from_env()
