@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from dynamo.backend.engine import LLMEngine
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
@@ -97,6 +98,19 @@ def parse_payload(raw: str, model: str) -> PreprocessedRequest:
         return msgspec.convert(fields, PreprocessedRequest)
     except msgspec.ValidationError as exc:
         raise ValueError(f"DYN_HEALTH_CHECK_PAYLOAD is not a request: {exc}") from exc
+
+
+def canary_payload(
+    engine: LLMEngine, config: HealthCheckConfig, model: str
+) -> PreprocessedRequest | None:
+    """The operator's ``DYN_HEALTH_CHECK_PAYLOAD`` if set and valid, else the engine's own
+    (None: this engine is not probed). An invalid override is logged, as the reference does."""
+    if config.payload is not None:
+        try:
+            return parse_payload(config.payload, model)
+        except (ValueError, OSError) as exc:
+            log.error("%s; using the engine's own health-check payload", exc)
+    return engine.health_check_payload()
 
 
 class HealthCanary:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
-from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, parse_payload
+from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
 from dynamo.backend.status_server import StatusServer, starting_ready
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
@@ -183,12 +183,7 @@ class Worker:
             return
         for reg in self._regs:
             assert reg.engine_config is not None and reg.served is not None
-            payload = reg.engine.health_check_payload()
-            if hc.payload is not None:
-                try:
-                    payload = parse_payload(hc.payload, reg.engine_config.name)
-                except (ValueError, OSError) as exc:
-                    log.error("%s; using the engine's own health-check payload", exc)
+            payload = canary_payload(reg.engine, hc, reg.engine_config.name)
             if payload is None:
                 log.warning("engine %x has no health-check payload: not probed", reg.worker_id)
                 continue

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from dynamo.backend.engine import chunk
-from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, parse_payload
+from dynamo.backend.health_check import (
+    HealthCanary,
+    HealthCheckConfig,
+    canary_payload,
+    parse_payload,
+)
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
@@ -143,3 +148,14 @@ async def test_a_busy_instance_is_not_probed() -> None:
         assert canary.probes == 0 and canary.healthy
     finally:
         await runtime.shutdown()
+
+
+def test_the_override_wins_and_an_invalid_one_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    engine = Probed()
+    override = canary_payload(engine, HealthCheckConfig(payload='{"token_ids": [7]}'), "m")
+    assert override is not None and (override.model, override.token_ids) == ("m", [7])
+    assert canary_payload(engine, HealthCheckConfig(payload="nope"), "m") == (
+        engine.health_check_payload()
+    )
+    assert "not JSON" in caplog.text
+    assert canary_payload(Probed(payload=False), HealthCheckConfig(), "m") is None
