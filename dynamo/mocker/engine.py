@@ -365,7 +365,8 @@ class MockerEngine(LLMEngine):
                     kv_total_blocks=sched.kv.num_blocks,
                     kv_used_blocks=sched.kv.num_active_blocks,
                     num_running=sched.num_running,
-                    num_waiting=sched.num_waiting,
+                    # arrivals the loop has not drained yet wait too
+                    num_waiting=sched.num_waiting + sum(seq is not None for seq, _ in rank.inbox),
                     prefix_cache_hit_rate=(
                         rank.hit_rate.rate if self.config.enable_prefix_caching else None
                     ),
