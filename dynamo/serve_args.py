@@ -160,9 +160,16 @@ def _render(action: argparse.Action, value: Any) -> list[str]:
         return [positive[0] if value else negative[0]]
     if action.nargs == 0:  # store_true / store_false / store_const
         return [opts[0]] if value == action.const else []
+    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - repeated flag
+        return [tok for v in value for tok in _render(_single(action), v)]
     if action.nargs is None or action.nargs == "?":
         return [f"{opts[0]}={value}"]
     return [opts[0], *(str(v) for v in value)]
+
+
+def _single(action: argparse.Action) -> argparse.Action:
+    """A plain store action with ``action``'s flags (to render one element of a list)."""
+    return argparse._StoreAction(action.option_strings, action.dest, nargs=action.nargs)  # noqa: SLF001
 
 
 def _forwarded(parser: argparse.ArgumentParser, args: argparse.Namespace, where: str) -> list[str]:

@@ -104,3 +104,21 @@ def test_serve_help_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     assert "workers (passed to every mocker worker process)" in capsys.readouterr().out
     assert sys.modules["dynamo.serve"] is serve
+
+
+def test_rendered_flags_parse_back_to_the_same_values() -> None:
+    import argparse
+
+    from dynamo.serve_args import _render
+
+    p = argparse.ArgumentParser()
+    actions = [
+        (p.add_argument("--tag", action="append"), ["u", "v"]),
+        (p.add_argument("--pair", nargs=2), ["1", "2"]),
+        (p.add_argument("--x", type=float), -1.5),  # a negative number stays a value
+        (p.add_argument("--flag", action=argparse.BooleanOptionalAction), False),
+        (p.add_argument("--on", action="store_true"), True),
+    ]
+    argv = [tok for action, value in actions for tok in _render(action, value)]
+    parsed = vars(p.parse_args(argv))
+    assert parsed == {a.dest: v for a, v in actions}
