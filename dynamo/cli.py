@@ -13,7 +13,20 @@ COMMANDS = {
     "bench": "dynamo.bench.__main__",
 }
 
-USAGE = "usage: dynamo {" + "|".join(COMMANDS) + "} [options]   (dynamo COMMAND --help)"
+SUMMARY = {
+    "serve": "frontend + N mocker workers on this machine (one command)",
+    "frontend": "the OpenAI-compatible HTTP frontend",
+    "mocker": "a simulated vLLM-like worker",
+    "slot-tracker": "the slot tracker HTTP service",
+    "bench": "the load generator",
+}
+
+USAGE = (
+    "usage: dynamo {"
+    + "|".join(COMMANDS)
+    + "} [options]   (dynamo COMMAND --help)\n\ncommands:\n"
+    + "\n".join(f"  {name:<14}{SUMMARY[name]}" for name in COMMANDS)
+)
 
 
 def main(argv: list[str] | None = None) -> int:

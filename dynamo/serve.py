@@ -2,14 +2,14 @@
 
 Starts the frontend and N mocker workers as child processes sharing a temporary file-discovery
 directory, with the TCP request plane and the ZMQ event plane on 127.0.0.1, serving the demo model
-that ships in the package (or ``--model-path``). Any flag it does not know is passed to every
-mocker (``--speedup-ratio``, ``--block-size``, ...). Ctrl-C or SIGTERM stops every child cleanly.
-``--in-process`` runs the same stack in one process (memory discovery, in-process planes).
+that ships in the package (or ``--model-path``). Every frontend and mocker flag is accepted and
+passed to its process (``serve_args.py``; ``--help`` shows the groups); an unknown or invalid flag
+fails before anything starts. Ctrl-C or SIGTERM stops every child cleanly. ``--in-process`` runs
+the same stack in one process (memory discovery, in-process planes).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -17,27 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dynamo.serve_args import ServePlan
 
 DEMO_MODEL_PATH = str(Path(__file__).resolve().parent / "models" / "demo")
-DEMO_MODEL_NAME = "demo"
 STOP_TIMEOUT_S = 15.0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        "dynamo serve", description="frontend + N mocker workers on this machine"
-    )
-    parser.add_argument("--http-host", default="0.0.0.0", help="frontend listen address")
-    parser.add_argument("--http-port", type=int, default=8000, help="frontend port")
-    parser.add_argument("--workers", type=int, default=2, help="mocker worker processes")
-    parser.add_argument(
-        "--router-mode", default="round-robin", choices=("round-robin", "random", "kv")
-    )
-    parser.add_argument("--model-path", default=DEMO_MODEL_PATH, help="model directory")
-    parser.add_argument("--model-name", default=DEMO_MODEL_NAME, help="served model name")
-    parser.add_argument("--namespace", default="dynamo")
-    parser.add_argument("--in-process", action="store_true", help="run everything in one process")
-    return parser
 
 
 def _shown_host(host: str) -> str:
@@ -55,15 +41,14 @@ def _curl_example(host: str, port: int, model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, mocker_args = build_parser().parse_known_args(argv)
-    if args.workers < 1:
-        print("dynamo serve: --workers must be at least 1", file=sys.stderr)
-        return 2
-    if args.in_process:
+    from dynamo.serve_args import plan
+
+    serve_plan = plan(argv)  # exits 2 with a message on any bad flag, before starting anything
+    if serve_plan.args.in_process:
         from dynamo.serve_inprocess import serve_in_process
 
-        return serve_in_process(args, mocker_args)
-    return _serve_processes(args, mocker_args)
+        return serve_in_process(serve_plan)
+    return _serve_processes(serve_plan)
 
 
 def _free_port(host: str) -> int:
@@ -75,9 +60,12 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
+def _serve_processes(serve_plan: ServePlan) -> int:
+    args = serve_plan.args
+    frontend_argv = serve_plan.frontend_argv
     if args.http_port == 0:
         args.http_port = _free_port(args.http_host)
+        frontend_argv = [*frontend_argv, f"--http-port={args.http_port}"]
     discovery_dir = tempfile.mkdtemp(prefix="dynamo-serve-")
     env = dict(os.environ)
     env.update(
@@ -101,28 +89,9 @@ def _serve_processes(args: argparse.Namespace, mocker_args: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         for _ in range(args.workers):
-            cmd = [
-                py,
-                "-m",
-                "dynamo.mocker",
-                "--model-path",
-                args.model_path,
-                "--model-name",
-                args.model_name,
-                *mocker_args,
-            ]
+            cmd = [py, "-m", "dynamo.mocker", *serve_plan.mocker_argv]
             children.append(subprocess.Popen(cmd, env=env))
-        frontend_cmd = [
-            py,
-            "-m",
-            "dynamo.frontend",
-            "--http-host",
-            args.http_host,
-            "--http-port",
-            str(args.http_port),
-            "--router-mode",
-            args.router_mode,
-        ]
+        frontend_cmd = [py, "-m", "dynamo.frontend", *frontend_argv]
         children.append(subprocess.Popen(frontend_cmd, env=env))
         print(
             f"dynamo serve: model {args.model_name!r} at"

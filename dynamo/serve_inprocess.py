@@ -6,47 +6,40 @@ nothing is bound but the HTTP port.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import signal
 
 from dynamo.backend.run import configure_logging, run_async
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
-from dynamo.mocker.__main__ import build_parser as mocker_parser
-from dynamo.mocker.__main__ import build_worker, mocker_config
+from dynamo.mocker.__main__ import build_worker
+from dynamo.mocker.config import MockerConfig
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
+from dynamo.serve_args import ServePlan
 
 
-def serve_in_process(args: argparse.Namespace, mocker_args: list[str]) -> int:
+def serve_in_process(serve_plan: ServePlan) -> int:
+    """Run the validated plan in this process (the planes' flags do not apply here)."""
     configure_logging("INFO")
-    margs = mocker_parser().parse_args(
-        ["--model-path", args.model_path, "--model-name", args.model_name, *mocker_args]
-    )
-    config = mocker_config(margs)
     runtime_config = RuntimeConfig(
-        namespace=args.namespace,
+        namespace=serve_plan.args.namespace,
         discovery_backend="memory",
         request_plane="local",
         event_plane="local",
     )
-    frontend_config = FrontendConfig(
-        http_host=args.http_host,
-        http_port=args.http_port,
-        router_mode=args.router_mode,
-        runtime=runtime_config,
-    )
-    run_async(_serve(frontend_config, config, runtime_config, args.workers))
+    frontend_config = dataclasses.replace(serve_plan.frontend, runtime=runtime_config)
+    run_async(_serve(frontend_config, serve_plan.mocker, runtime_config, serve_plan.args.workers))
     return 0
 
 
 async def _serve(
-    frontend_config: FrontendConfig, config: object, runtime_config: RuntimeConfig, workers: int
+    frontend_config: FrontendConfig,
+    config: MockerConfig,
+    runtime_config: RuntimeConfig,
+    workers: int,
 ) -> None:
-    from dynamo.mocker.config import MockerConfig
-
-    assert isinstance(config, MockerConfig)
     hub = InProcessHub()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from dynamo.backend.engine import LLMEngine
-from dynamo.backend.validate import StreamValidator
+from dynamo.backend.validate import StreamValidator, strict_from_env
 from dynamo.observability.metrics import WorkerMetrics
-from dynamo.protocol.output import LLMEngineOutput
+from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, InvalidArgument, Unknown
@@ -33,13 +33,20 @@ class EngineAdapter:
     """Bridges an :class:`LLMEngine` to a request-plane handler. Owns the abort tasks."""
 
     def __init__(
-        self, engine: LLMEngine, *, strict: bool = False, metrics: WorkerMetrics | None = None
+        self,
+        engine: LLMEngine,
+        *,
+        strict: bool | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
+        """``strict``: raise on stream-contract violations instead of repairing them (None:
+        ``DYN_STRICT_STREAM_VALIDATION``)."""
         self.engine = engine
-        self.strict = strict
+        self.strict = strict_from_env() if strict is None else strict
         self.metrics = metrics
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self.num_inflight = 0
+        self.last_activity = time.monotonic()  # the latest output sent (health-check canaries)
 
     async def handle(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
         """The request-plane handler: bytes in, encoded ``LLMEngineOutput`` chunks out."""
@@ -67,6 +74,8 @@ class EngineAdapter:
             try:
                 async for output in stream:
                     if validator.accept(output):
+                        if output.finish_reason is not FinishReason.ERROR:
+                            self.last_activity = time.monotonic()
                         yield output
             except DynamoError as exc:
                 validator.terminated = True

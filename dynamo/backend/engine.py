@@ -15,12 +15,16 @@ Lifecycle, in order:
    finish or fail in-flight work. Default no-op.
 5. ``cleanup()``: release everything. Must be idempotent (a second call is a no-op) and must work
    on an engine whose ``start()`` never ran or failed half-way.
+
+Optional, at any time after ``start()``: ``metrics_snapshot()`` (per-rank gauges for the worker's
+``/metrics``, read at every scrape) and ``health_check_payload()`` (the canary request the worker
+sends through the normal path when the endpoint is idle; FACTS §8).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from dynamo.protocol.model_card import EngineCapabilities
@@ -57,6 +61,27 @@ class EngineConfig:
         return self.served_model_name or self.model
 
 
+@dataclass(frozen=True, slots=True)
+class RankMetrics:
+    """One data-parallel rank's state right now, for the worker's ``dynamo_component_*`` gauges.
+
+    ``prefix_cache_hit_rate`` is None when there is no measurement yet (or no prefix cache), so
+    the gauge is left out rather than reported as 0.
+    """
+
+    dp_rank: int
+    kv_total_blocks: int
+    kv_used_blocks: int
+    num_running: int
+    num_waiting: int
+    prefix_cache_hit_rate: float | None = None
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV blocks in use (0.0-1.0)."""
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
 class LLMEngine(ABC):
     """Implement this to plug an engine into dynamo-py (see module docstring for the contract)."""
 
@@ -76,6 +101,17 @@ class LLMEngine(ABC):
 
     @abstractmethod
     async def cleanup(self) -> None: ...
+
+    def metrics_snapshot(self) -> Sequence[RankMetrics]:
+        """Per-rank gauges, read by the worker at every ``/metrics`` scrape (on the event loop:
+        return quickly, from state the engine already keeps). Default: none."""
+        return ()
+
+    def health_check_payload(self) -> PreprocessedRequest | None:
+        """The minimal request a health-check canary sends through this engine's endpoint when
+        it has been idle (one token is enough). ``DYN_HEALTH_CHECK_PAYLOAD`` overrides it.
+        Default: None (no canary unless the operator configures a payload)."""
+        return None
 
 
 class chunk:  # noqa: N801 - a namespace of constructors, read as chunk.token(...)

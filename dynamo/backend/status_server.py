@@ -1,12 +1,15 @@
 """A worker's system status server (FACTS §8): ``/health``, ``/live`` and ``/metrics``.
 
 Enabled by ``DYN_SYSTEM_PORT`` (``--system-port``; 0 picks a free port, unset disables it).
-``/health`` and ``/live`` answer ``{"status": "ready"|"notready", "endpoints": {...},
-"uptime": {"secs", "nanos"}}`` with 200 when ready and 503 otherwise.
+``/health`` and ``/live`` (renamed by ``DYN_SYSTEM_HEALTH_PATH`` / ``DYN_SYSTEM_LIVE_PATH``)
+answer ``{"status": "ready"|"notready", "endpoints": {...}, "uptime": {"secs", "nanos"}}`` with
+200 when ready and 503 otherwise. Before its endpoints are served the worker reports
+``DYN_SYSTEM_STARTING_HEALTH_STATUS`` (default ``notready``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -18,6 +21,19 @@ from dynamo.runtime.http_server import HttpServer
 
 _encoder = msgspec.json.Encoder()
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+def starting_ready() -> bool:
+    """Whether ``DYN_SYSTEM_STARTING_HEALTH_STATUS`` says a starting worker counts as ready."""
+    value = os.environ.get("DYN_SYSTEM_STARTING_HEALTH_STATUS", "notready").strip().lower()
+    if value not in ("ready", "notready"):
+        raise ValueError(f"DYN_SYSTEM_STARTING_HEALTH_STATUS must be ready or notready: {value!r}")
+    return value == "ready"
+
+
+def _path(env: str, default: str) -> bytes:
+    path = os.environ.get(env) or default
+    return (path if path.startswith("/") else "/" + path).encode()
 
 
 class StatusServer:
@@ -35,6 +51,10 @@ class StatusServer:
         self._registry = registry
         self._metrics = metrics
         self._started = time.monotonic()
+        self._health_paths = (
+            _path("DYN_SYSTEM_HEALTH_PATH", "/health"),
+            _path("DYN_SYSTEM_LIVE_PATH", "/live"),
+        )
         self._server = HttpServer(self, host, port)
 
     @property
@@ -52,7 +72,7 @@ class StatusServer:
     ) -> tuple[int, bytes] | tuple[int, bytes, bytes]:
         if method != b"GET":
             return 405, b'{"error":"method not allowed"}'
-        if path in (b"/health", b"/live"):
+        if path in self._health_paths:
             endpoints = self._endpoints()
             ready = bool(endpoints) and all(endpoints.values())
             uptime = time.monotonic() - self._started

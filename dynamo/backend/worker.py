@@ -18,7 +18,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,9 +26,10 @@ from prometheus_client import CollectorRegistry
 
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import DisaggregationMode
-from dynamo.backend.engine import EngineConfig, LLMEngine
-from dynamo.backend.status_server import StatusServer
-from dynamo.observability.metrics import WorkerMetrics
+from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
+from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
+from dynamo.backend.status_server import StatusServer, starting_ready
+from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId, new_instance_id
@@ -48,10 +49,11 @@ class WorkerConfig:
     endpoint: str = "generate"
     disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
     graceful_shutdown_timeout: float = 5.0
-    strict_validation: bool = False
+    strict_validation: bool | None = None  # None: DYN_STRICT_STREAM_VALIDATION
     install_signal_handlers: bool = True
     system_host: str = "0.0.0.0"
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig.from_env)
 
     def endpoint_id(self) -> EndpointId:
         component = self.component or self.disaggregation_mode.component
@@ -67,6 +69,7 @@ class _Registration:
     served: ServedEndpoint | None = None
     card_key: str | None = None
     cleaned: bool = False
+    canary: HealthCanary | None = None
 
 
 class Worker:
@@ -100,7 +103,15 @@ class Worker:
             )
             for e in engines
         ]
+        EngineGauges(
+            self.metrics_registry,
+            endpoint.namespace,
+            endpoint.component,
+            endpoint.endpoint,
+            self._engine_metrics,
+        )
         self.status: StatusServer | None = None
+        self._starting_ready = starting_ready()
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
         self._hooks: list[Callable[[Worker], Awaitable[None]]] = []
@@ -135,6 +146,7 @@ class Worker:
             await self._start_status_server()
             if await self._start_or_abandon():
                 await self._register()
+                self._start_canaries()
                 for hook in self._hooks:
                     await hook(self)
                 self.ready.set()
@@ -158,8 +170,40 @@ class Worker:
         log.info("status server listening on %s:%d", self.config.system_host, self.status.port)
 
     def _health(self) -> dict[str, bool]:
+        if not self.ready.is_set() and not self._shutdown.is_set():  # still starting
+            return {self.config.endpoint: self._starting_ready}
         serving = self.ready.is_set() and not self._shutdown.is_set()
-        return {self.config.endpoint: serving}
+        canaries_ok = all(r.canary is None or r.canary.healthy for r in self._regs)
+        return {self.config.endpoint: serving and canaries_ok}
+
+    def _start_canaries(self) -> None:
+        """One health-check canary per registered engine that has a payload (FACTS §8)."""
+        hc = self.config.health_check
+        if not hc.enabled:
+            return
+        for reg in self._regs:
+            assert reg.engine_config is not None and reg.served is not None
+            payload = canary_payload(reg.engine, hc, reg.engine_config.name)
+            if payload is None:
+                log.warning("engine %x has no health-check payload: not probed", reg.worker_id)
+                continue
+            reg.canary = HealthCanary(
+                self.runtime, reg.served, payload, hc, _activity_of(reg.adapter)
+            )
+            reg.canary.start()
+
+    def _engine_metrics(self) -> Iterator[tuple[str, int, Sequence[RankMetrics]]]:
+        """Each started engine's gauges (an engine whose snapshot fails is left out)."""
+        for reg in self._regs:
+            ec = reg.engine_config
+            if ec is None or reg.cleaned:
+                continue
+            try:
+                snapshot = reg.engine.metrics_snapshot()
+            except Exception:
+                log.exception("metrics_snapshot() of engine %x failed", reg.worker_id)
+                continue
+            yield self.config.served_model_name or ec.name, reg.worker_id, snapshot
 
     async def _start_or_abandon(self) -> bool:
         """Start runtime and engines; False if shutdown was requested first."""
@@ -228,6 +272,9 @@ class Worker:
         )
 
     async def _teardown(self) -> None:
+        for reg in self._regs:
+            if reg.canary is not None:
+                await reg.canary.stop()
         # 1. Leave discovery: routers stop picking us; requests already sent still arrive.
         for reg in self._regs:
             await self._unregister(reg)
@@ -277,6 +324,10 @@ class Worker:
                 await reg.engine.cleanup()
             except Exception:
                 log.exception("engine.cleanup failed")
+
+
+def _activity_of(adapter: EngineAdapter) -> Callable[[], float]:
+    return lambda: adapter.last_activity
 
 
 def _tokenizer_checksum(model_path: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
@@ -27,10 +28,15 @@ async def serve(config: FrontendConfig) -> None:
         await service.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The frontend's flags (``dynamo serve`` offers them too)."""
     parser = FrontendConfig.build_parser()
     add_flag(parser, "--log-level", default="INFO", help="logging level")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
         config = FrontendConfig.from_args(args)

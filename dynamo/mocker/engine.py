@@ -13,17 +13,18 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dynamo.backend.capabilities import check_request
-from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
 from dynamo.mocker.simulator import MockerScheduler, StepOutput
-from dynamo.mocker.timing import Clock, RealClock
+from dynamo.mocker.timing import Clock, RealClock, pass_sleep, pass_start
+from dynamo.observability.metrics import HitRateWindow
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
-from dynamo.protocol.request import PreprocessedRequest
+from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 
@@ -69,6 +70,7 @@ class _Rank:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     last_load: WorkerLoad | None = None
     next_yield: float = 0.0
+    hit_rate: HitRateWindow = field(default_factory=HitRateWindow)
 
 
 class MockerEngine(LLMEngine):
@@ -218,28 +220,38 @@ class MockerEngine(LLMEngine):
 
     # -- the step loop -------------------------------------------------------------------------
     async def _step_loop(self, rank: _Rank) -> None:
+        """One pass after another. While the rank stays busy each pass starts at the previous
+        pass's end (an absolute deadline), not at whenever the loop got round to it: the loop's
+        own cost (step(), delivery, sleep overshoot) then never adds to the modelled time."""
         sched = rank.scheduler
+        previous_end: float | None = None  # end of the last pass while busy (None: idle)
         try:
             await self._publish_load(rank)  # routers learn the capacity before any request
             while True:
-                self._drain_inbox(rank)
+                latest_arrival = self._drain_inbox(rank)
                 if not sched.has_work:
+                    previous_end = None
                     await self._publish_load(rank)  # an abort may have freed blocks
                     rank.wake.clear()
                     await rank.wake.wait()
                     continue
-                out = sched.step(self.clock.now())
+                start = pass_start(self.clock.now(), previous_end, latest_arrival)
+                out = sched.step(start)
                 if out.is_empty:  # every running request awaits its KV transfer
+                    previous_end = None
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
-                    await self.clock.sleep(out.start + out.duration - self.clock.now())
-                elif out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
-                    # Speedup 0 (no simulated time): let consumers and arrivals run after a
-                    # prefill (first tokens go out at once) and every SPEEDUP0_SLICE_S of work;
-                    # decode tokens in between reach the collectors, which coalesce them.
-                    await asyncio.sleep(0)
-                    rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
+                    previous_end = out.start + out.duration
+                    await self.clock.sleep(pass_sleep(self.clock.now(), previous_end, out.duration))
+                else:
+                    previous_end = None
+                    if out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
+                        # Speedup 0 (no simulated time): let consumers and arrivals run after a
+                        # prefill (first tokens go out at once) and every SPEEDUP0_SLICE_S of
+                        # work; decode tokens in between reach the collectors (coalescing).
+                        await asyncio.sleep(0)
+                        rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 self._deliver(rank, out)
                 await self._publish(rank, out)
         except asyncio.CancelledError:
@@ -249,15 +261,19 @@ class MockerEngine(LLMEngine):
             self._closed = True
             self._fail_all(EngineShutdown("the mocker's step loop crashed"))
 
-    def _drain_inbox(self, rank: _Rank) -> None:
+    def _drain_inbox(self, rank: _Rank) -> float | None:
+        """Apply queued arrivals and aborts; returns the latest arrival time (None: none)."""
         inbox, rank.inbox = rank.inbox, []
+        latest: float | None = None
         for seq, key in inbox:
             if seq is not None:
                 rank.scheduler.enqueue(seq)
+                latest = seq.arrival if latest is None else max(latest, seq.arrival)
             elif rank.scheduler.abort(key):
                 col = rank.collectors.get(key)
                 if col is not None:
                     col.done = True
+        return latest
 
     async def _idle_until(self, rank: _Rank, ready_at: float | None) -> None:
         """Wait for new inbox items or, at the latest, until ``ready_at``."""
@@ -282,6 +298,8 @@ class MockerEngine(LLMEngine):
     def _deliver(self, rank: _Rank, out: StepOutput) -> None:
         collectors = rank.collectors
         for seq, token in out.tokens:
+            if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
+                rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
             col = collectors.get(seq.request_id)
             if col is not None:
                 col.tokens.append(token)
@@ -334,7 +352,37 @@ class MockerEngine(LLMEngine):
                     col.error = error
                     col.wake()
 
-    # -- introspection (tests, benchmarks) -------------------------------------------------------
+    # -- introspection -------------------------------------------------------------------------
+    def health_check_payload(self) -> PreprocessedRequest:
+        """One prompt token, one output token: the cheapest request that runs a full pass."""
+        cfg = self.config
+        return PreprocessedRequest(
+            model=cfg.served_model_name,
+            token_ids=[1],
+            stop=StopConditions(max_tokens=1, ignore_eos=True),
+            sampling=SamplingOptions(greedy=True),
+        )
+
+    def metrics_snapshot(self) -> list[RankMetrics]:
+        """KV usage, running and waiting requests and prefix hit rate of every rank, now."""
+        out = []
+        for rank in self._ranks:
+            sched = rank.scheduler
+            out.append(
+                RankMetrics(
+                    dp_rank=rank.index,
+                    kv_total_blocks=sched.kv.num_blocks,
+                    kv_used_blocks=sched.kv.num_active_blocks,
+                    num_running=sched.num_running,
+                    # arrivals the loop has not drained yet wait too
+                    num_waiting=sched.num_waiting + sum(seq is not None for seq, _ in rank.inbox),
+                    prefix_cache_hit_rate=(
+                        rank.hit_rate.rate if self.config.enable_prefix_caching else None
+                    ),
+                )
+            )
+        return out
+
     @property
     def schedulers(self) -> list[MockerScheduler]:
         return [rank.scheduler for rank in self._ranks]

@@ -74,6 +74,49 @@ class TimingModel:
         return num_prompt_tokens * per_token / (bw * 1e9) / self.speedup_ratio
 
 
+MAX_PASS_LAG_S = 0.5
+"""How far behind its schedule the step loop may run and still catch up (a GPU keeps computing
+while the host is descheduled; catching up is at most 2x fast, see ``MIN_SLEEP_FRACTION``). A
+loop starved for longer (a blocked event loop) restarts its schedule from now instead."""
+
+
+def pass_start(now: float, previous_end: float | None, latest_arrival: float | None) -> float:
+    """When the next pass starts, on the clock.
+
+    A busy loop runs passes back to back: the next one starts where the previous ended
+    (``previous_end``), even if the loop woke a little late, so the mean pass time equals the
+    model's and sleep overshoot or the loop's own CPU time never accumulate. After an idle
+    period (``previous_end`` None) it starts when the newest request it includes arrived (the
+    loop's wake-up is not the engine's time either). It never starts before a request it
+    includes arrived, nor more than ``MAX_PASS_LAG_S`` in the past, nor in the future.
+    """
+    if previous_end is None or now - previous_end > MAX_PASS_LAG_S:
+        if latest_arrival is not None and 0.0 <= now - latest_arrival <= MAX_PASS_LAG_S:
+            return latest_arrival
+        return now
+    start = min(now, previous_end)
+    if latest_arrival is not None and latest_arrival > start:
+        start = min(now, latest_arrival)
+    return start
+
+
+MIN_SLEEP_FRACTION = 0.5
+"""A pass that catches up still sleeps at least this fraction of its duration, so that the
+tokens of consecutive passes do not leave back to back (they would coalesce into one chunk)..."""
+TIMER_GRANULARITY_S = 0.001
+"""... unless that is shorter than an event-loop timer can sleep (epoll and libuv wake up in
+whole milliseconds): then a pass behind schedule does not sleep at all, which is how a loop at a
+high speedup keeps the model's pace with passes shorter than a timer tick."""
+
+
+def pass_sleep(now: float, end: float, duration: float) -> float:
+    """How long to sleep for a pass that ends at ``end`` on the schedule: until then, but at
+    least ``MIN_SLEEP_FRACTION`` of its ``duration`` when that is a sleep a timer can do (a late
+    loop catches up over a few passes)."""
+    floor = duration * MIN_SLEEP_FRACTION
+    return max(end - now, floor if floor >= TIMER_GRANULARITY_S else 0.0)
+
+
 class Clock(Protocol):
     """Time source of the mocker: ``now()`` in seconds, ``sleep`` lets that much time pass."""
 

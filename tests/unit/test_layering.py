@@ -31,7 +31,7 @@ LEVEL = {
     "bench": 4,
 }
 # Composition roots that may wire top-level packages together.
-ROOTS = {"cli", "serve", "serve_inprocess", "__main__"}
+ROOTS = {"cli", "serve", "serve_args", "serve_inprocess", "__main__"}
 TOP = {"frontend", "mocker", "pytorch", "slot_tracker", "bench"}
 
 

@@ -49,7 +49,8 @@ def test_dynamo_serve_prints_url_and_curl_and_stops_children_on_sigterm() -> Non
     port = free_port()
     serve = Child(
         ["-m", "dynamo.cli", "serve", "--http-host", "127.0.0.1", "--http-port", str(port)]
-        + ["--workers", "2", "--speedup-ratio", "0"],
+        + ["--workers", "2", "--speedup-ratio", "0"]
+        + ["--max-inflight-requests", "8"],  # a frontend flag: once it killed the mockers
         child_env(),
     )
     try:

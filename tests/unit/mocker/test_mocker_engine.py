@@ -52,7 +52,7 @@ def assert_idle(engine: MockerEngine) -> None:
 
 @pytest.mark.parametrize("speedup", [0.0, 1.0])
 async def test_conformance_kit(speedup: float) -> None:
-    config = MockerConfig(speedup_ratio=speedup, context_length=200_000)
+    config = MockerConfig(speedup_ratio=speedup)  # the defaults: a 32,768-token context
     report = await check_engine(lambda: MockerEngine(config))
     assert report.ok, report.failures
 
