@@ -148,7 +148,7 @@ async def test_all_workers_busy_is_overload(stack: Stack) -> None:
     assert ok.status_code == 200, ok.text
     assert stack.frontend is not None
     entry = stack.frontend.registry.get("demo")
-    router = entry.pipeline.router
+    router = entry.router
     assert isinstance(router, KVRouter)
     worker_id = entry.live_instance_ids()[0]
     router.sequences.add_request("held", worker_id, 0, [1, 2], new_isl_tokens=32)
@@ -176,7 +176,7 @@ async def test_approximate_mode_routes_by_its_own_decisions(stack: Stack) -> Non
         assert body["nvext"]["worker_id"]["decode_worker_id"] == owner
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert stack.frontend is not None
-    router = stack.frontend.registry.get("demo").pipeline.router
+    router = stack.frontend.registry.get("demo").router
     assert isinstance(router, KVRouter) and router.indexer is None and router.approx is not None
     router.approx.check_invariants()
 
