@@ -25,7 +25,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamo.backend.adapter import EngineAdapter
-from dynamo.backend.disagg import DisaggregationMode
+from dynamo.backend.disagg import role_component
 from dynamo.backend.engine import EngineConfig, LLMEngine
 from dynamo.backend.status_server import StatusServer
 from dynamo.observability.metrics import WorkerMetrics
@@ -46,7 +46,7 @@ class WorkerConfig:
     served_model_name: str | None = None
     component: str | None = None
     endpoint: str = "generate"
-    disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
+    role: WorkerRole = WorkerRole.AGGREGATED
     graceful_shutdown_timeout: float = 5.0
     strict_validation: bool = False
     install_signal_handlers: bool = True
@@ -54,7 +54,7 @@ class WorkerConfig:
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
 
     def endpoint_id(self) -> EndpointId:
-        component = self.component or self.disaggregation_mode.component
+        component = self.component or role_component(self.role)
         return EndpointId(self.runtime.namespace, component, self.endpoint)
 
 
@@ -220,7 +220,7 @@ class Worker:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             data_parallel_start_rank=ec.data_parallel_start_rank,
             data_parallel_size=ec.data_parallel_size,
-            role=WorkerRole(self.config.disaggregation_mode.value),
+            role=self.config.role,
             tokenizer_checksum=checksum,
             bootstrap_host=ec.bootstrap_host,
             bootstrap_port=ec.bootstrap_port,
