@@ -38,7 +38,7 @@ from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
-from dynamo.router.replica_sync import ReplicaSync, SyncEvent, SyncOp
+from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
 from dynamo.router.selector import Candidate, select_worker
 from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.client import EndpointClient
@@ -87,7 +87,7 @@ class KVRouter:
         self._events_task: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
         self._recovery: EndpointClient | None = None
-        self._sync: ReplicaSync | None = None
+        self._sync: RouterReplicaSync | None = None
 
     @classmethod
     async def create(
@@ -113,7 +113,7 @@ class KVRouter:
             )
         if self.settings.replica_sync:
             on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
-            self._sync = ReplicaSync(
+            self._sync = RouterReplicaSync(
                 self._runtime.events,
                 self.model,
                 self.block_size,
