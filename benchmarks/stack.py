@@ -129,6 +129,10 @@ def run_level(
         isl=args.isl,
         osl=args.osl,
         concurrency=c,
+        # top-level ignore_eos only: the reference refuses an unknown nvext field
+        ignore_eos=False,
+        extra_body={"ignore_eos": True},
+        quickack=True,  # no delayed-ACK artifacts in the latencies (either server)
         num_requests=requests,
         warmup=max(2 * c, 32),
         seed=1000 + c,  # distinct prompts per level: no prefix-cache hits across levels
