@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from dynamo.protocol.model_card import EngineCapabilities
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
@@ -46,6 +47,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    # What the engine honours beyond the basic fields (the model card's ``capabilities``); the
+    # frontend answers 400 for a request that needs anything not advertised here.
+    capabilities: EngineCapabilities = EngineCapabilities()
 
     @property
     def name(self) -> str:

@@ -224,6 +224,7 @@ class Worker:
             tokenizer_checksum=checksum,
             bootstrap_host=ec.bootstrap_host,
             bootstrap_port=ec.bootstrap_port,
+            capabilities=ec.capabilities,
         )
 
     async def _teardown(self) -> None:

@@ -14,6 +14,7 @@ migration (issue 13) retries there.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,6 +117,7 @@ async def attempts(
     router = entry.router
     selection = router.select(request, candidates(entry))
     stats.selection = selection
+    stats.dispatched_at = time.monotonic()
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
     client = entry.clients[entry.serving_role()]

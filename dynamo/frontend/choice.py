@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from dynamo.frontend.attempt import Load, Timeouts, attempts
+from dynamo.frontend.logprobs import LogprobCollector
 from dynamo.frontend.pipeline import ChoiceDelta, ChoiceStats, RunStats
 from dynamo.preprocess import Prepared
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
@@ -46,11 +47,12 @@ async def stream_choice(
     stats.prompt_tokens = len(request.token_ids)
     assert entry.pipeline is not None  # the registry hands out servable models only
     detok = entry.pipeline.preprocessor.detokenizer(prepared)
+    lp = LogprobCollector.for_request(request)
     outputs = attempts(entry, request, ctx, stats, loads, timeouts)
     first = True
     try:
         async for batch in outputs:
-            token_ids, reason, error = _merge(batch, stats)
+            token_ids, reason, error = _merge(batch, stats, lp)
             if token_ids:
                 now = time.monotonic()
                 if first:
@@ -62,18 +64,19 @@ async def stream_choice(
                 res = detok.add(token_ids)
                 stats.completion_tokens = detok.num_tokens
                 ids = token_ids if want_token_ids else None
+                lps = None if lp is None else lp.take(detok.num_tokens)
                 if res.finished is not None:
-                    yield ChoiceDelta(index, res.text, "stop", ids)
+                    yield ChoiceDelta(index, res.text, "stop", ids, lps)
                     if reason is None:
                         await _drain_after_stop(outputs, ctx, stats)
                     return
                 if reason is None:
-                    if res.text or ids:
-                        yield ChoiceDelta(index, res.text, None, ids)
+                    if res.text or ids or (lps is not None and lps.token_ids):
+                        yield ChoiceDelta(index, res.text, None, ids, lps)
                     continue
                 text = res.text
             else:
-                ids = None
+                ids = lps = None
                 text = ""
                 if reason is None:
                     continue
@@ -82,19 +85,24 @@ async def stream_choice(
             if reason is FinishReason.CANCELLED:
                 raise Cancelled("the engine cancelled the request")
             text += detok.flush().text
-            yield ChoiceDelta(index, text, _FINISH[reason], ids)
+            if lp is not None and lps is None:
+                lps = lp.take(detok.num_tokens)
+            yield ChoiceDelta(index, text, _FINISH[reason], ids, lps)
             return
     finally:
         await outputs.aclose()
 
 
 def _merge(
-    batch: list[LLMEngineOutput], stats: ChoiceStats
+    batch: list[LLMEngineOutput], stats: ChoiceStats, lp: LogprobCollector | None = None
 ) -> tuple[list[int], FinishReason | None, str | None]:
     """A batch of engine chunks as one: their tokens, and the terminal's reason and error (a
-    terminal is always the stream's last chunk). Records cached tokens from usage."""
+    terminal is always the stream's last chunk). Records cached tokens from usage, and
+    log-probabilities into ``lp``."""
     if len(batch) == 1:
         out = batch[0]
+        if lp is not None:
+            lp.add(out)
         if out.usage is not None and out.usage.cached_tokens is not None:
             stats.cached_tokens = out.usage.cached_tokens
         return out.token_ids, out.finish_reason, out.error
@@ -102,6 +110,8 @@ def _merge(
     reason: FinishReason | None = None
     error: str | None = None
     for out in batch:
+        if lp is not None:
+            lp.add(out)
         token_ids += out.token_ids
         if out.usage is not None and out.usage.cached_tokens is not None:
             stats.cached_tokens = out.usage.cached_tokens

@@ -121,7 +121,8 @@ def to_http(exc: BaseException, overload_status: int = 529) -> HTTPErrorReply:
         for cls, status in _DYNAMO_STATUS:
             if isinstance(exc, cls):
                 prefix = "Validation: " if status == 400 else ""
-                return _reply(status, prefix + str(exc), kind=_TYPE_OVERRIDE.get(cls))
+                param = exc.param if isinstance(exc, E.InvalidArgument) else None
+                return _reply(status, prefix + str(exc), param, kind=_TYPE_OVERRIDE.get(cls))
         return _reply(500, f"internal error: {exc}")
     log.error("unexpected error serving a request", exc_info=exc)
     return _reply(500, f"internal error: {type(exc).__name__}")

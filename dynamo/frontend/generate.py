@@ -14,14 +14,16 @@ import time
 import msgspec
 
 from dynamo.frontend.attempt import Timeouts
+from dynamo.frontend.capabilities import check_supported, serving_capabilities
 from dynamo.frontend.choice import run_choices
 from dynamo.frontend.errors import error_payload, to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.keepalive import KeepAliveSink
+from dynamo.frontend.logprobs import TokenLogprobs, response_extras
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import ChoiceDelta, ModelPipeline, RunStats
-from dynamo.frontend.request_params import prepare_request, wants
+from dynamo.frontend.request_params import prepare_request, wants, wants_timing
 from dynamo.frontend.streaming import (
     DONE,
     JSON_HEADERS,
@@ -32,6 +34,7 @@ from dynamo.frontend.streaming import (
     sse,
     usage,
 )
+from dynamo.frontend.timing import timing_info
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Prepared
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -110,16 +113,19 @@ class GenerateHandler:
                 entry = self._registry.get(req.model)
                 inflight.model = req.model
                 assert entry.pipeline is not None  # get() returns servable models only
-                prepared = prepare_request(entry.pipeline.preprocessor, req, inflight.engine_id)
+                check_supported(req, serving_capabilities(entry.cards_of(entry.serving_role())))
+                preprocessor = entry.pipeline.preprocessor
+                prepared = prepare_request(preprocessor, req, inflight.engine_id)
+                extras = response_extras(req, prepared, preprocessor.tokenizer)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)
                 return
             created = int(time.time())
             fmt: Formatter
             if isinstance(req, ChatCompletionRequest):
-                fmt = ChatFormatter(f"chatcmpl-{inflight.request_id}", req.model, created)
+                fmt = ChatFormatter(f"chatcmpl-{inflight.request_id}", req.model, created, extras)
             else:
-                fmt = CompletionFormatter(f"cmpl-{inflight.request_id}", req.model, created)
+                fmt = CompletionFormatter(f"cmpl-{inflight.request_id}", req.model, created, extras)
             ctx = inflight.begin(prepared, req.n, fmt)
             if req.stream:
                 await self._stream(http, inflight, entry, req, prepared, ctx, fmt)
@@ -168,7 +174,7 @@ class GenerateHandler:
             await sink.send(b"".join(head))
             async for delta in deltas:
                 if delta.token_ids is None and delta.finish_reason is None:
-                    await sink.send(fmt.delta_chunk(delta.index, delta.text, None))
+                    await sink.send(fmt.delta_chunk(delta.index, delta.text, None, delta.logprobs))
                 else:
                     await sink.send(b"".join(_delta_chunks(fmt, delta, want_ids)))
             tail: list[bytes] = []
@@ -211,6 +217,7 @@ class GenerateHandler:
         assert stats is not None
         texts: list[list[str]] = [[] for _ in prepared]
         reasons: list[str | None] = [None] * len(prepared)
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in prepared]
         want_ids = wants(req, "token_ids")
         token_ids: list[int] = []
         disconnect = _watch_disconnect(http, ctx)
@@ -220,6 +227,7 @@ class GenerateHandler:
         try:
             async for delta in deltas:
                 texts[delta.index].append(delta.text)
+                logprobs[delta.index].append(delta.logprobs)
                 if delta.finish_reason is not None:
                     reasons[delta.index] = delta.finish_reason
                 if delta.token_ids:
@@ -242,7 +250,8 @@ class GenerateHandler:
             nvext["token_ids"] = token_ids
         nvext.update(_final_extras(req, stats) or {})
         u = usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-        body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None)
+        lps = [TokenLogprobs.concat(pieces) for pieces in logprobs]
+        body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None, lps)
         http.reply(200, [*JSON_HEADERS, *inflight.id_headers], body)
         inflight.finish()
 
@@ -252,7 +261,7 @@ def _delta_chunks(fmt: Formatter, delta: ChoiceDelta, want_ids: bool) -> list[by
     out: list[bytes] = []
     if delta.token_ids is not None and want_ids:
         out.append(fmt.extra_chunk({"token_ids": delta.token_ids}, "token_ids"))
-    out.append(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason))
+    out.append(fmt.delta_chunk(delta.index, delta.text, delta.finish_reason, delta.logprobs))
     return out
 
 
@@ -275,12 +284,19 @@ def _preamble(
 
 def _final_extras(req: OpenAIRequest, stats: RunStats) -> dict[str, object] | None:
     fields = (req.nvext.extra_fields or []) if req.nvext else []
-    if "worker_id" not in fields:
-        return None
+    out: dict[str, object] = {}
     sel = stats.choices[0].selection
-    if sel is None:
-        return None
-    return {"worker_id": {"decode_worker_id": sel.instance_id, "decode_dp_rank": sel.dp_rank}}
+    if "worker_id" in fields and sel is not None:
+        out["worker_id"] = {"decode_worker_id": sel.instance_id, "decode_dp_rank": sel.dp_rank}
+    if wants_timing(req):
+        out["timing"] = timing_info(
+            started=stats.started_at,
+            dispatched_at=stats.choices[0].dispatched_at,
+            first_token_at=stats.first_token_at,
+            prompt_tokens=stats.prompt_tokens,
+            cached_tokens=stats.cached_tokens,
+        )
+    return out or None
 
 
 def _watch_disconnect(http: Exchange, ctx: Context) -> asyncio.Future[None]:

@@ -86,6 +86,7 @@ class InflightRequest:
         self.stats = RunStats(
             [ChoiceStats() for _ in prepared],
             prompt_tokens=sum(p.num_prompt_tokens for p in prepared) // n,
+            started_at=self.started,
         )
         self.fmt = fmt
         self._metrics.active_requests.labels(self.model).inc()

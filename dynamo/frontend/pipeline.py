@@ -8,8 +8,10 @@ holds only data, so each of those imports it without a cycle.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from dynamo.frontend.logprobs import TokenLogprobs
 from dynamo.preprocess import Preprocessor
 from dynamo.router.basic import Selection
 
@@ -32,6 +34,7 @@ class ChoiceDelta:
     text: str
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    logprobs: TokenLogprobs | None = None  # set when the request asked for log-probabilities
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class ChoiceStats:
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
 
@@ -54,6 +58,7 @@ class RunStats:
 
     choices: list[ChoiceStats]
     prompt_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)  # when the HTTP request arrived
 
     @property
     def completion_tokens(self) -> int:

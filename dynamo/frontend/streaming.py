@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from dynamo.frontend.logprobs import ResponseExtras, TokenLogprobs
 from dynamo.protocol.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -64,11 +65,15 @@ class _Formatter(ABC):
     choice and the unary response look.
     """
 
-    def __init__(self, request_id: str, model: str, created: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, created: int, extras: ResponseExtras | None = None
+    ) -> None:
         self.id = request_id
         self.model = model
         self.created = created
         self._templates: dict[int, tuple[bytes, bytes]] = {}
+        # logprobs / echo (frontend/logprobs.py): when set, every text chunk is rendered whole
+        self.extras = extras
 
     # -- what differs per API ---------------------------------------------------------------
     chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
@@ -90,10 +95,21 @@ class _Formatter(ABC):
         )
 
     @abstractmethod
-    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> Any: ...
+    def _text_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> Any: ...
 
     @abstractmethod
-    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]: ...
+    def _response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        logprobs: list[TokenLogprobs | None],
+    ) -> list[Any]: ...
 
     def role_chunk(self, index: int) -> bytes | None:
         """The first chunk of a choice (chat: the assistant role), or None."""
@@ -107,10 +123,17 @@ class _Formatter(ABC):
             template = self._templates[index] = _split_template(encode_json(self._chunk([marked])))
         return template[0] + encode_json(text) + template[1]
 
-    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
-        if finish_reason is None and text:
+    def delta_chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> bytes:
+        if finish_reason is None and text and self.extras is None:
             return self.text_chunk(index, text)
-        return sse(encode_json(self._chunk([self._text_choice(index, text, finish_reason)])))
+        choice = self._text_choice(index, text, finish_reason, logprobs)
+        return sse(encode_json(self._chunk([choice])))
 
     def extra_chunk(self, nvext: dict[str, object], event: str | None = None) -> bytes:
         return sse(encode_json(self._chunk([], nvext=nvext)), event)
@@ -124,8 +147,11 @@ class _Formatter(ABC):
         finish_reasons: list[str | None],
         u: CompletionUsage,
         nvext: dict[str, object] | None,
+        logprobs: list[TokenLogprobs | None] | None = None,
     ) -> bytes:
-        return encode_json(self._unary(self._response(texts, finish_reasons), u, nvext))
+        """The unary body; ``logprobs``: each choice's, folded (``TokenLogprobs.concat``)."""
+        lps: list[TokenLogprobs | None] = [None] * len(texts) if logprobs is None else logprobs
+        return encode_json(self._unary(self._response(texts, finish_reasons, lps), u, nvext))
 
     @abstractmethod
     def _unary(
@@ -138,20 +164,34 @@ class ChatFormatter(_Formatter):
 
     chunk_type = ChatCompletionChunk
 
-    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> ChatChunkChoice:
+    def _text_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> ChatChunkChoice:
         delta = ChatDelta(content=text) if text else ChatDelta()
-        return ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        lp = None if self.extras is None else self.extras.chat(logprobs)
+        return ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=lp)
 
     def role_chunk(self, index: int) -> bytes:
         choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         return sse(encode_json(self._chunk([choice])))
 
-    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
+    def _response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        logprobs: list[TokenLogprobs | None],
+    ) -> list[Any]:
+        extras = self.extras
         return [
             ChatChoice(
                 index=i,
                 message=ChatResponseMessage(role="assistant", content=texts[i]),
                 finish_reason=finish_reasons[i],
+                logprobs=None if extras is None else extras.chat(logprobs[i]),
             )
             for i in range(len(texts))
         ]
@@ -174,17 +214,37 @@ class CompletionFormatter(_Formatter):
 
     chunk_type = CompletionChunk
 
-    def _text_choice(self, index: int, text: str, finish_reason: str | None) -> CompletionChoice:
-        return CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+    def _text_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> CompletionChoice:
+        lp = None
+        if self.extras is not None:
+            text, lp = self.extras.completion(index, text, logprobs)
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=lp)
 
-    def delta_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
-        if finish_reason is None:  # an empty text delta is still a chunk here
+    def delta_chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> bytes:
+        if finish_reason is None and self.extras is None:  # an empty text delta is a chunk too
             return self.text_chunk(index, text)
-        return super().delta_chunk(index, text, finish_reason)
+        return super().delta_chunk(index, text, finish_reason, logprobs)
 
-    def _response(self, texts: list[str], finish_reasons: list[str | None]) -> list[Any]:
+    def _response(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        logprobs: list[TokenLogprobs | None],
+    ) -> list[Any]:
         return [
-            CompletionChoice(index=i, text=texts[i], finish_reason=finish_reasons[i])
+            self._text_choice(i, texts[i], finish_reasons[i], logprobs[i])
             for i in range(len(texts))
         ]
 

@@ -12,8 +12,10 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from dynamo.backend.capabilities import check_request
 from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
 from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
 from dynamo.mocker.scheduler import Scheduler, StepOutput
 from dynamo.mocker.sequence import Sequence, sequence_from_request
 from dynamo.mocker.timing import Clock, RealClock
@@ -118,6 +120,7 @@ class MockerEngine(LLMEngine):
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             data_parallel_size=cfg.data_parallel_size,
+            capabilities=CAPABILITIES,
         )
 
     async def drain(self) -> None:
@@ -145,10 +148,11 @@ class MockerEngine(LLMEngine):
         if self._closed or not self._tasks:
             raise EngineShutdown("the mocker is not running")
         rank = self._pick_rank(request)
+        check_request(request, CAPABILITIES)
         key = f"{ctx.id}#{next(self._keys)}"
-        seq = sequence_from_request(
-            self.config, request, key, self.clock.now(), seed_id=request.request_id or ctx.id
-        )
+        seed_id = request.request_id or ctx.id
+        seq = sequence_from_request(self.config, request, key, self.clock.now(), seed_id=seed_id)
+        lp = MockLogprobs.for_request(self.config, request, seed_id)  # None unless asked
         col = _Collector()
         rank.collectors[key] = col
         self._ctx_keys.setdefault(ctx.id, set()).add(key)
@@ -161,17 +165,20 @@ class MockerEngine(LLMEngine):
             while True:
                 if (col.cancelled or ctx.is_stopped()) and col.terminal is None:
                     n_out += len(col.tokens)
-                    yield _terminal(FinishReason.CANCELLED, col.tokens, seq, n_out)
+                    out = _terminal(FinishReason.CANCELLED, col.tokens, seq, n_out)
+                    yield out if lp is None else lp.annotate(out)
                     return
                 if col.error is not None:
                     raise col.error
                 if col.terminal is not None:
-                    yield _with_tokens(col.terminal, col.tokens)
+                    out = _with_tokens(col.terminal, col.tokens)
+                    yield out if lp is None else lp.annotate(out)
                     return
                 if col.tokens:
                     tokens, col.tokens = col.tokens, []
                     n_out += len(tokens)
-                    yield LLMEngineOutput(token_ids=tokens)
+                    out = LLMEngineOutput(token_ids=tokens)
+                    yield out if lp is None else lp.annotate(out)
                     continue
                 col.waiter = loop.create_future()
                 await col.waiter

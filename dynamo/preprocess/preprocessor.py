@@ -17,6 +17,8 @@ from dynamo.preprocess.detokenizer import IncrementalDetokenizer
 from dynamo.preprocess.model_dir import ModelDir
 from dynamo.preprocess.tokenizer import Tokenizer
 from dynamo.protocol.request import (
+    GuidedDecodingOptions,
+    OutputOptions,
     PreprocessedRequest,
     RoutingHints,
     SamplingOptions,
@@ -45,6 +47,12 @@ class GenerationParams:
     top_k: int | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    guided_decoding: GuidedDecodingOptions | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     greedy: bool = False
     n: int = 1
     skip_special_tokens: bool = True
@@ -264,9 +272,14 @@ class Preprocessor:
                 top_k=params.top_k,
                 seed=params.seed,
                 repetition_penalty=params.repetition_penalty,
+                min_p=params.min_p,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                guided_decoding=params.guided_decoding,
                 greedy=params.greedy,
                 n=params.n,
             ),
+            output=OutputOptions(logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs),
             stop=StopConditions(
                 max_tokens=max_tokens,
                 min_tokens=min_tokens,

@@ -1,13 +1,16 @@
 """OpenAI-compatible HTTP wire types (spec 004), with the NVIDIA extension ``nvext``.
 
-Requests are decoded with validation (ranges via ``msgspec.Meta``); unknown fields are ignored, as
-OpenAI clients send many optional ones. Sampling fields that vLLM and aiperf send at the top level
-(top_k, repetition_penalty, min_tokens, ignore_eos, ...) are accepted there as well as in nvext.
+Requests are decoded with validation (ranges via ``msgspec.Meta``); unknown top-level fields are
+ignored, as OpenAI clients send many optional ones, but every field that would change the answer
+is declared here, so that the frontend either honours it or refuses it by name
+(``frontend/capabilities.py``); unknown ``nvext`` keys are a 400. Sampling fields that vLLM and
+aiperf send at the top level (top_k, repetition_penalty, min_tokens, ignore_eos, ...) are accepted
+there as well as in nvext.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -23,7 +26,10 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 TopK = Annotated[int, Meta(ge=-1)]  # -1 (or None): no limit
 
 
-class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
+class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """NVIDIA's extension. Unlike the OpenAI fields, an unknown key here is a 400: it is our
+    own namespace, so a key we do not know asks for something we would silently not do."""
+
     ignore_eos: bool | None = None
     top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -35,10 +41,18 @@ class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True):
     dp_rank: NonNegativeInt | None = None
     extra_fields: list[str] | None = None
     min_tokens: NonNegativeInt | None = None
+    # Guided decoding (the reference's CommonExt names; also accepted at the top level).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (refused)
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -72,6 +86,21 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``
+    (``json_schema.schema`` is the JSON schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -79,6 +108,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated form of tools: refused
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -89,6 +126,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     prompt: str | list[str | int | list[int]]
     echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1, le=128)] | None = None
 
 
 def normalize_prompt(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -126,11 +166,46 @@ class ChatDelta(msgspec.Struct, omit_defaults=True, kw_only=True):
     content: str | None = None
 
 
+class TopLogprobEntry(msgspec.Struct, kw_only=True):
+    """OpenAI chat: one alternative at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(msgspec.Struct, kw_only=True):
+    """OpenAI chat: one generated token, its log-probability and its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI chat ``choices[].logprobs``."""
+
+    content: list[TokenLogprobEntry] | None
+    refusal: list[TokenLogprobEntry] | None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI (legacy) completions ``choices[].logprobs``: parallel lists, one entry per token.
+    ``text_offset`` is each token's character offset in the choice's text (echoed prompt
+    included); the first prompt token has no log-probability (``None``)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(
@@ -159,7 +234,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(
@@ -177,7 +252,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionChunk(

@@ -40,7 +40,11 @@ class DynamoError(Exception):
 
 
 class InvalidArgument(DynamoError):
-    pass
+    """``param`` names the request field at fault, when one is (the OpenAI error's ``param``)."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(DynamoError):

@@ -211,7 +211,7 @@ def test_sampling_fields_in_nvext_and_top_level(client: openai.OpenAI) -> None:
         max_tokens=4,
         extra_body={
             "top_k": 5,
-            "repetition_penalty": 1.1,
+            "repetition_penalty": 1.0,  # neutral: the mocker honours no penalty (else a 400)
             "min_tokens": 2,
             "nvext": {"top_k": 40, "greedy_sampling": True, "ignore_eos": True},
         },
@@ -353,3 +353,23 @@ def test_health_and_live(serve_stack: Stack) -> None:
     assert {i["model"] for i in health["instances"]} == {MODEL}
     status, _, raw = request(serve_stack.port, "GET", "/live")
     assert status == 200 and json.loads(raw)["status"] == "live"
+
+
+# -- logprobs and echo across processes (the TCP request plane carries them) ----------------------
+
+
+def test_logprobs_and_echo_across_processes(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2, seed=4
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 5
+    assert all(len(e.top_logprobs) == 2 and e.logprob < 0 for e in lp.content)
+    c = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, logprobs=1, echo=True)
+    choice = c.choices[0]
+    assert choice.text.startswith("abc") and choice.logprobs is not None
+    assert c.usage is not None and choice.logprobs.tokens is not None
+    assert len(choice.logprobs.tokens) == c.usage.prompt_tokens + 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"min_p": 0.1})
+    assert info.value.param == "min_p"

@@ -6,7 +6,7 @@ import pytest
 
 from dynamo.preprocess import GenerationParams, ModelDir, Preprocessor, load_model_dir
 from dynamo.protocol.output import FinishReason
-from dynamo.protocol.request import RoutingHints
+from dynamo.protocol.request import GuidedDecodingOptions, OutputOptions, RoutingHints
 from dynamo.runtime.errors import InvalidArgument
 
 MESSAGES = [
@@ -93,6 +93,25 @@ def test_limits_and_sampling_fields(pre: Preprocessor) -> None:
     assert req.annotations == ["formatted_prompt"] and req.request_id == "req-1"
     assert req.routing == RoutingHints(backend_instance_id=3)
     assert pre.chat(MESSAGES, GenerationParams(stop="END")).stop == ["END"]
+
+
+def test_engine_fields_reach_the_request(pre: Preprocessor) -> None:
+    guided = GuidedDecodingOptions(regex="[0-9]+")
+    params = GenerationParams(
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        guided_decoding=guided,
+        logprobs=3,
+        prompt_logprobs=2,
+    )
+    req = pre.completion("hello", params)[0].request
+    s = req.sampling
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty) == (0.05, 0.5, -0.5)
+    assert s.guided_decoding == guided
+    assert req.output == OutputOptions(logprobs=3, prompt_logprobs=2)
+    plain = pre.completion("hello", GenerationParams())[0].request
+    assert plain.output == OutputOptions() and plain.sampling.guided_decoding is None
 
 
 def test_max_tokens_beyond_the_context_is_refused_with_the_lengths(demo_model: ModelDir) -> None:

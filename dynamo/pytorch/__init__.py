@@ -1,0 +1,1 @@
+"""The PyTorch engine: a real model behind ``backend.LLMEngine``."""
