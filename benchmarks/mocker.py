@@ -47,7 +47,7 @@ async def drive(directory: str, pid: int, isl: int, osl: int, concurrency: int, 
     await runtime.start()
     try:
         client = await runtime.client(EndpointId("dynamo", "backend", "generate"))
-        await client.wait_for_instances(1, timeout=30)
+        (target,) = await client.wait_for_instances(1, timeout=30)
         enc = msgspec.msgpack.Encoder()
         dec = msgspec.msgpack.Decoder(LLMEngineOutput)
 
@@ -64,7 +64,7 @@ async def drive(directory: str, pid: int, isl: int, osl: int, concurrency: int, 
 
         async def one(i: int) -> int:
             count = 0
-            async for raw in client.stream(body(i), Context()):
+            async for raw in client.stream(body(i), Context(), instance_id=target):
                 count += len(dec.decode(raw).token_ids)
             if count != osl:
                 raise RuntimeError(f"request {i}: {count} tokens, expected {osl}")

@@ -10,6 +10,14 @@ machine, so it must stay small: its HTTP/SSE client is a lean asyncio protocol; 
     .venv/bin/python benchmarks/stack.py                      # full run
     .venv/bin/python benchmarks/stack.py --quick              # fewer requests
     .venv/bin/python benchmarks/stack.py --concurrency 1,64 --api completions
+    .venv/bin/python benchmarks/stack.py --concurrency 1,64 --rounds 2 \
+        --reference-python /work/refvenv/bin/python           # side by side with the reference
+
+``--reference-python`` also runs the reference's frontend and mocker (NVIDIA Dynamo, installed
+in another venv: ``python -m dynamo.frontend`` / ``python -m dynamo.mocker`` with file
+discovery, TCP request plane and ZMQ events, like ours) with the same load, the two stacks
+alternating per round, and reports our TTFT p50 at c=1 and rate at c=64 as ratios of its own.
+Both mockers then run at ``--speedup-ratio 1000`` (the reference needs a positive speedup).
 
 Reference on the 2-core VM: frontend 2.0-2.2 ms + mocker 1.4-1.6 ms of CPU per request at
 saturation (~260 req/s), TTFT p50 4.2 ms at c=1. Goals: <= 2.8 ms CPU per request for both
@@ -25,6 +33,8 @@ import datetime
 import json
 import os
 import platform
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,19 +51,27 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "dynamo" / "models" / "demo"
 GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
+GOAL_TTFT_RATIO_C1 = 0.8  # side by side: our TTFT p50 at c=1 over the reference's, at most
+GOAL_RATE_RATIO_C64 = 2.0  # side by side: our req/s at c=64 over the reference's, at least
+PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
 # Measured requests per level (full run); warm-up is max(2 * c, 32) requests.
 REQUESTS = {1: 300, 16: 1000, 64: 1500, 256: 2000}
 
 
 class Child:
-    """A service process whose output lines are collected (and echoed on failure)."""
+    """A service process whose output lines are collected (and echoed on failure).
+    ``python`` other than ours runs outside the checkout, so that ``-m dynamo...`` imports that
+    interpreter's own package."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict[str, str], python: str = sys.executable
+    ) -> None:
         self.name = name
+        ours = python == sys.executable
         self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            env=env,
+            [python, *args],
+            cwd=REPO if ours else tempfile.gettempdir(),
+            env=env if ours else {k: v for k, v in env.items() if k != "PYTHONPATH"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -111,6 +129,10 @@ def run_level(
         isl=args.isl,
         osl=args.osl,
         concurrency=c,
+        # top-level ignore_eos only: the reference refuses an unknown nvext field
+        ignore_eos=False,
+        extra_body={"ignore_eos": True},
+        quickack=True,  # no delayed-ACK artifacts in the latencies (either server)
         num_requests=requests,
         warmup=max(2 * c, 32),
         seed=1000 + c,  # distinct prompts per level: no prefix-cache hits across levels
@@ -139,6 +161,51 @@ def run_level(
     }
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Stack:
+    """A frontend and one mocker, ours or the reference's (``python``), on a fresh discovery
+    directory."""
+
+    def __init__(self, label: str, python: str, speedup: float) -> None:
+        self.label = label
+        self._dir = tempfile.TemporaryDirectory(prefix=f"dynamo-stack-{label}-")
+        env = dict(os.environ, DYN_FILE_KV=self._dir.name, PYTHONUNBUFFERED="1")
+        mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
+        mocker_args += ["--speedup-ratio", f"{speedup:g}"]
+        ours = python == sys.executable
+        port = 0 if ours else _free_port()
+        frontend_args = ["-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
+        frontend_args += ["--http-port", str(port)]
+        if not ours:  # the reference's defaults are etcd and NATS
+            mocker_args += PLANES
+            frontend_args += PLANES
+        self.mocker = Child(f"{label} mocker", mocker_args, env, python)
+        self.frontend = Child(f"{label} frontend", frontend_args, env, python)
+        try:
+            if ours:
+                line = self.frontend.wait_line("dynamo frontend: listening on http://", 60)
+                port = int(line.rsplit(":", 1)[1])
+            self.url = f"http://127.0.0.1:{port}"
+            wait_model(self.url, 120)
+        except Exception:
+            for child in (self.frontend, self.mocker):
+                print("\n".join(child.lines[-30:]), file=sys.stderr)
+            self.stop()
+            raise
+        self.pids = {"frontend": self.frontend.proc.pid, "mocker": self.mocker.proc.pid}
+
+    def stop(self) -> None:
+        self.frontend.stop()
+        self.mocker.stop()
+        self._dir.cleanup()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated levels")
@@ -147,37 +214,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api", choices=("chat", "completions"), default="chat")
     parser.add_argument("--quick", action="store_true", help="a fifth of the requests")
     parser.add_argument("--reports", action="store_true", help="also write bench report folders")
+    parser.add_argument("--reference-python", help="also run the reference stack (its Python)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every stack, alternating")
+    parser.add_argument(
+        "--speedup-ratio", type=float, help="mocker speedup (default 0; 1000 with a reference)"
+    )
     parser.add_argument("--out", default="bench-results/stack.json")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    with tempfile.TemporaryDirectory(prefix="dynamo-stack-bench-") as discovery:
-        env = dict(os.environ, DYN_FILE_KV=discovery, PYTHONUNBUFFERED="1")
-        mocker = Child(
-            "mocker",
-            ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
-            + ["--speedup-ratio", "0"],
-            env,
-        )
-        frontend = Child(
-            "frontend",
-            ["-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", "0"],
-            env,
-        )
-        try:
-            line = frontend.wait_line("dynamo frontend: listening on http://", 60)
-            url = "http://127.0.0.1:" + line.rsplit(":", 1)[1]
-            wait_model(url)
-            pids = {"frontend": frontend.proc.pid, "mocker": mocker.proc.pid}
-            results = []
-            for c in levels:
-                count = REQUESTS.get(c, 1000)
-                count = max(count // 5, 2 * c) if args.quick else count
-                results.append(run_level(url, c, count, args, pids))
-                print(_row(results[-1]), flush=True)
-        finally:
-            frontend.stop()
-            mocker.stop()
-    report = {
+    speedup = args.speedup_ratio
+    if speedup is None:
+        speedup = 1000.0 if args.reference_python else 0.0
+    targets = [("dynamo-py", sys.executable)]
+    if args.reference_python:
+        targets.append(("reference", args.reference_python))
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in targets}
+    for round_ in range(args.rounds):
+        for label, python in targets:
+            stack = Stack(label, python, speedup)
+            try:
+                results = []
+                for c in levels:
+                    count = REQUESTS.get(c, 1000)
+                    count = max(count // 5, 2 * c) if args.quick else count
+                    results.append(run_level(stack.url, c, count, args, stack.pids))
+                    print(f"{label:>10} r{round_ + 1} " + _row(results[-1]), flush=True)
+                runs[label].append(results)
+            finally:
+                stack.stop()
+    report: dict[str, Any] = {
         "benchmark": "stack",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
@@ -185,22 +250,47 @@ def main(argv: list[str] | None = None) -> int:
         "isl": args.isl,
         "osl": args.osl,
         "api": args.api,
-        "goals": {"stack_cpu_ms_per_req": GOAL_CPU_MS, "ttft_p50_ms_at_c1": GOAL_TTFT_P50_MS},
-        "reference": {
-            "frontend_cpu_ms": "2.0-2.2",
-            "mocker_cpu_ms": "1.4-1.6",
-            "req_per_s": 260,
-            "ttft_p50_ms_at_c1": 4.2,
-        },  # fmt: skip
-        "levels": results,
+        "speedup_ratio": speedup,
+        "goals": {
+            "stack_cpu_ms_per_req": GOAL_CPU_MS,
+            "ttft_p50_ms_at_c1": GOAL_TTFT_P50_MS,
+            "ttft_p50_c1_vs_reference_at_most": GOAL_TTFT_RATIO_C1,
+            "req_per_s_c64_vs_reference_at_least": GOAL_RATE_RATIO_C64,
+        },
+        "levels": runs["dynamo-py"][-1],
+        "runs": runs,
     }
+    if args.reference_python:
+        report["side_by_side"] = side_by_side(runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print()
-    print(table(results))
+    for label, _ in targets:
+        print(f"\n{label} (last round)")
+        print(table(runs[label][-1]))
+    if "side_by_side" in report:
+        print()
+        for key, value in report["side_by_side"].items():
+            print(f"{key}: {value}")
     print(f"\nwritten: {out}")
     return 0
+
+
+def _median_of(runs: list[list[dict[str, Any]]], c: int, key: str) -> float | None:
+    values = [r[key] for results in runs for r in results if r["concurrency"] == c]
+    return statistics.median(values) if values else None
+
+
+def side_by_side(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Medians over the rounds, and our figures as ratios of the reference's."""
+    out: dict[str, Any] = {}
+    for c, key in ((1, "ttft_p50_ms"), (64, "req_per_s")):
+        ours = _median_of(runs["dynamo-py"], c, key)
+        ref = _median_of(runs["reference"], c, key)
+        if ours is None or ref is None:
+            continue
+        out[f"{key}_c{c}"] = {"dynamo-py": ours, "reference": ref, "ratio": ours / ref}
+    return out
 
 
 HEADER = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from dynamo.backend.engine import EngineConfig, LLMEngine, chunk, with_usage
 from dynamo.protocol.output import LLMEngineOutput
@@ -75,3 +76,67 @@ class CountingEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         self.events.append("cleanup")
+
+
+class FakeExchange:
+    """An in-memory HTTP exchange (the handlers' ``Exchange`` seam): no socket. Records the
+    reply or the streamed chunks; :meth:`disconnect` makes the client go away."""
+
+    def __init__(
+        self,
+        body: bytes,
+        path: str = "/v1/chat/completions",
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self._body = body
+        self._headers = {k.lower(): v for k, v in (headers or {}).items()}
+        self.status: int | None = None
+        self.headers: list[tuple[str, str]] = []
+        self.response = b""
+        self.chunks: list[bytes] = []
+        self.streaming = False
+        self._gone = asyncio.Event()
+
+    # -- the Exchange protocol ---------------------------------------------------------------
+    def header(self, name: str) -> str | None:
+        return self._headers.get(name.lower())
+
+    async def body(self, limit: int) -> bytes:
+        from dynamo.frontend.errors import HTTPError
+
+        if len(self._body) > limit:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        return self._body
+
+    def reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        assert self.status is None, "answered twice"
+        self.status, self.headers, self.response = status, headers, body
+
+    def start_stream(self, status: int, headers: list[tuple[str, str]]) -> FakeExchange:
+        assert self.status is None, "answered twice"
+        self.status, self.headers, self.streaming = status, headers, True
+        return self
+
+    async def send(self, data: bytes) -> None:  # the stream sink
+        if self._gone.is_set():
+            raise ConnectionError("the client is gone")
+        self.chunks.append(data)
+
+    async def disconnected(self) -> None:
+        await self._gone.wait()
+
+    # -- test controls ---------------------------------------------------------------------------
+    def disconnect(self) -> None:
+        self._gone.set()
+
+    @property
+    def text(self) -> str:
+        return (self.response if not self.streaming else b"".join(self.chunks)).decode()
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self.response)

@@ -25,7 +25,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from dynamo.backend.adapter import EngineAdapter
-from dynamo.backend.disagg import DisaggregationMode
+from dynamo.backend.disagg import role_component
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
 from dynamo.backend.status_server import StatusServer, starting_ready
@@ -47,7 +47,7 @@ class WorkerConfig:
     served_model_name: str | None = None
     component: str | None = None
     endpoint: str = "generate"
-    disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
+    role: WorkerRole = WorkerRole.AGGREGATED
     graceful_shutdown_timeout: float = 5.0
     strict_validation: bool | None = None  # None: DYN_STRICT_STREAM_VALIDATION
     install_signal_handlers: bool = True
@@ -56,7 +56,7 @@ class WorkerConfig:
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig.from_env)
 
     def endpoint_id(self) -> EndpointId:
-        component = self.component or self.disaggregation_mode.component
+        component = self.component or role_component(self.role)
         return EndpointId(self.runtime.namespace, component, self.endpoint)
 
 
@@ -264,7 +264,7 @@ class Worker:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             data_parallel_start_rank=ec.data_parallel_start_rank,
             data_parallel_size=ec.data_parallel_size,
-            role=WorkerRole(self.config.disaggregation_mode.value),
+            role=self.config.role,
             tokenizer_checksum=checksum,
             bootstrap_host=ec.bootstrap_host,
             bootstrap_port=ec.bootstrap_port,

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument(
         "--no-ignore-eos", action="store_true", help="let the model stop before --osl tokens"
     )
+    req.add_argument(
+        "--quickack", action="store_true", help="TCP_QUICKACK on the client sockets (Linux)"
+    )
     req.add_argument("--extra-body", default="{}", help="JSON object merged into every body")
     req.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token")
     out = p.add_argument_group("output")
@@ -140,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         output_dir=args.output_dir,
         plots=not args.no_plots,
         progress=args.progress,
+        quickack=args.quickack,
     )
 
 

@@ -163,7 +163,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    client = HttpClient(endpoint, headers=headers)
+    client = HttpClient(endpoint, headers=headers, quickack=config.quickack)
     try:
         return await _run(config, client, meter)
     finally:

@@ -66,8 +66,10 @@ class HttpClient:
         *,
         headers: dict[str, str] | None = None,
         connect_timeout: float = 10.0,
+        quickack: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self._quickack = quickack
         self._connect_timeout = connect_timeout
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         host = endpoint.host if ":" not in endpoint.host else f"[{endpoint.host}]"
@@ -141,7 +143,7 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout):
             _, conn = await loop.create_connection(
-                Connection,
+                lambda: Connection(self._quickack),
                 self.endpoint.host,
                 self.endpoint.port,
                 ssl=self._ssl,

@@ -53,6 +53,7 @@ class BenchConfig:
     output_dir: str | None = None
     plots: bool = True
     progress: bool | None = None
+    quickack: bool = False  # TCP_QUICKACK on the client's sockets (Linux)
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message for inconsistent settings."""

@@ -54,7 +54,12 @@ class Connection(asyncio.Protocol):
     request may follow; ``abort`` drops the connection and fails a pending request.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quickack: bool = False) -> None:
+        # TCP_QUICKACK (Linux): acknowledge every segment at once. Linux leaves quick-ack mode
+        # on its own, so it is set again after every read. Without it a client's delayed ACK can
+        # hold back a server's next write (Nagle) and add tens of milliseconds to latencies.
+        self._quickack = quickack and hasattr(socket, "TCP_QUICKACK")
+        self._sock: socket.socket | None = None
         self._transport: asyncio.Transport | None = None
         self._buf = b""
         self._state = _IDLE
@@ -77,9 +82,17 @@ class Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._quickack:
+                self._sock = sock
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
+        if self._sock is not None:
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:
+                self._sock = None
         self._got_bytes = True
         if self._buf:
             data = self._buf + data

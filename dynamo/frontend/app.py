@@ -17,12 +17,14 @@ from typing import Any
 from granian._granian import ListenerSpec
 from granian.server.embed import Server
 
+from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.config import FrontendConfig
 from dynamo.frontend.errors import HTTPError
+from dynamo.frontend.exchange import StreamSink
 from dynamo.frontend.generate import GenerateHandler
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import ModelPipeline
-from dynamo.frontend.routes import Routes, StreamSink
+from dynamo.frontend.routes import Routes
 from dynamo.observability.metrics import FrontendMetrics, RouterMetrics
 from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard
@@ -131,10 +133,10 @@ class FrontendService:
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry)
-        self._kv_routers: list[KVRouter] = []
         self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
             self.runtime,
             self._build_pipeline,
+            router_factory=self._make_router,
             retention_s=config.model_retention_s,
             on_change=self._on_model_change,
         )
@@ -145,6 +147,8 @@ class FrontendService:
             body_limit=config.body_limit_bytes,
             overload_status=config.overload_status,
             namespace=config.runtime.namespace,
+            timeouts=Timeouts(config.first_response_timeout_s, config.inter_chunk_timeout_s),
+            keep_alive_s=config.sse_keep_alive_s,
         )
         self.routes = Routes(
             self.registry, self.metrics, self.generate, overload_status=config.overload_status
@@ -160,17 +164,15 @@ class FrontendService:
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
         )
-        router = await self._make_router(card)
-        return ModelPipeline(card.served_model_name, preprocessor, router)
+        return ModelPipeline(card.served_model_name, preprocessor)
 
     async def _make_router(self, card: ModelCard) -> Router:
+        """A router for the workers of ``card``'s role (the registry closes it on retirement)."""
         mode = self.config.router_mode
         if mode == "random":
             return RandomRouter()
         if mode == "kv":
-            router = await KVRouter.create(self.runtime, card, self.config.kv, self.router_metrics)
-            self._kv_routers.append(router)
-            return router
+            return await KVRouter.create(self.runtime, card, self.config.kv, self.router_metrics)
         return RoundRobinRouter()
 
     def _on_model_change(self, entry: ModelEntry[ModelPipeline], added: bool) -> None:
@@ -259,8 +261,6 @@ class FrontendService:
             except (TimeoutError, asyncio.CancelledError):
                 log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
-        await self.registry.close()
-        for router in self._kv_routers:
-            await router.close()
+        await self.registry.close()  # closes the models' routers too
         if self._owns_runtime:
             await self.runtime.shutdown()

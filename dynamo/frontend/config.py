@@ -21,6 +21,9 @@ class FrontendConfig:
     overload_status: int = 529
     body_limit_mb: float = 45.0
     model_retention_s: float = 60.0
+    first_response_timeout_s: float = 600.0
+    inter_chunk_timeout_s: float = 300.0
+    sse_keep_alive_s: float = 10.0
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
 
@@ -31,6 +34,9 @@ class FrontendConfig:
             raise ValueError("max in-flight requests must be at least 1")
         if self.overload_status not in (503, 529):
             raise ValueError("overload status must be 503 or 529")
+        for name in ("first_response_timeout_s", "inter_chunk_timeout_s", "sse_keep_alive_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it)")
 
     @property
     def body_limit_bytes(self) -> int:
@@ -83,6 +89,28 @@ class FrontendConfig:
             type=float,
             help="how long a model whose workers all left answers 503 instead of 404",
         )
+        add_flag(
+            parser,
+            "--first-response-timeout-secs",
+            default=d.first_response_timeout_s,
+            type=float,
+            help="an attempt whose worker sends no first response within this fails with 504 "
+            "(0: no limit)",
+        )
+        add_flag(
+            parser,
+            "--inter-chunk-timeout-secs",
+            default=d.inter_chunk_timeout_s,
+            type=float,
+            help="an attempt whose worker then stays silent this long fails with 504 (0: no limit)",
+        )
+        add_flag(
+            parser,
+            "--sse-keep-alive-secs",
+            default=d.sse_keep_alive_s,
+            type=float,
+            help="an SSE stream idle this long gets a ': keep-alive' comment (0: never)",
+        )
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
         return parser
@@ -98,6 +126,9 @@ class FrontendConfig:
             overload_status=args.overload_status,
             body_limit_mb=args.body_limit_mb,
             model_retention_s=args.model_retention_secs,
+            first_response_timeout_s=args.first_response_timeout_secs,
+            inter_chunk_timeout_s=args.inter_chunk_timeout_secs,
+            sse_keep_alive_s=args.sse_keep_alive_secs,
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),
         )

@@ -2,6 +2,11 @@
 
 Every error a client can see goes through :func:`to_http`, so a request never ends in a 500 with a
 traceback: unknown exceptions become a 500 with a short message and are logged here.
+
+Failures of the serving side are told apart by status: no worker to take the request (503,
+``service_unavailable``, with Retry-After), the worker's engine went down under it (502,
+``engine_unavailable``: ``EngineShutdown``, ``WorkerShutdown``), a stream cut short (502,
+``upstream_error``), and a worker that stopped answering (504, ``timeout``: ``ResponseTimeout``).
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ _DYNAMO_STATUS: list[tuple[type[E.DynamoError], int]] = [
     (E.Overloaded, 529),
     (E.NoInstances, 503),
     (E.CannotConnect, 503),
-    (E.EngineShutdown, 503),
-    (E.WorkerShutdown, 503),
+    (E.EngineShutdown, 502),
+    (E.WorkerShutdown, 502),
     (E.Cancelled, 499),
     (E.ResponseTimeout, 504),
     (E.ConnectionTimeout, 504),
@@ -69,13 +74,23 @@ _DYNAMO_STATUS: list[tuple[type[E.DynamoError], int]] = [
     (E.Disconnected, 502),
 ]
 
+# (OpenAI error type, metrics label) where the status alone does not say it
+_TYPE_OVERRIDE: dict[type[E.DynamoError], tuple[str, str]] = {
+    E.EngineShutdown: ("engine_unavailable", "unavailable"),
+    E.WorkerShutdown: ("engine_unavailable", "unavailable"),
+}
+
 RETRY_AFTER_S = "1"
 
 
 def _reply(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: tuple[str, str] | None = None,
 ) -> HTTPErrorReply:
-    err_type, label = _STATUS_TYPE.get(status, ("internal_error", "internal"))
+    err_type, label = kind or _STATUS_TYPE.get(status, ("internal_error", "internal"))
     body = _encoder.encode(
         ErrorResponse(
             error=ErrorDetail(message=message, type=err_type, param=param, code=code or status)
@@ -107,7 +122,7 @@ def to_http(exc: BaseException, overload_status: int = 529) -> HTTPErrorReply:
             if isinstance(exc, cls):
                 prefix = "Validation: " if status == 400 else ""
                 param = exc.param if isinstance(exc, E.InvalidArgument) else None
-                return _reply(status, prefix + str(exc), param)
+                return _reply(status, prefix + str(exc), param, kind=_TYPE_OVERRIDE.get(cls))
         return _reply(500, f"internal error: {exc}")
     log.error("unexpected error serving a request", exc_info=exc)
     return _reply(500, f"internal error: {type(exc).__name__}")

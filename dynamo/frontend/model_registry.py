@@ -2,9 +2,15 @@
 
 A model appears when its first worker's card appears and leaves the listing when its last card
 goes. For ``retention_s`` afterwards a request for it gets 503 (temporarily unavailable: a rolling
-restart) rather than 404. One pipeline per model, built by ``pipeline_factory`` from the first
-card; a worker whose tokenizer checksum disagrees with the model's pipeline is refused with a
-logged reason.
+restart) rather than 404.
+
+Per model: one pipeline (``pipeline_factory``), built from the first card of a *serving* worker
+(aggregated or decode: a prefill worker's card never defines how the model is decoded), and one
+router per worker role (``router_factory``), created when the first worker of that role appears.
+Every worker that joins or leaves is passed to its role's router from this watch, so a router
+knows a worker (and indexes its KV events) from the moment its card is seen, not from the first
+request routed to it. When the model retires its routers are closed. A worker whose tokenizer
+checksum disagrees with the model's is refused with a logged reason.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from dynamo.protocol.model_card import ModelCard, WorkerRole
+from dynamo.router.basic import RoundRobinRouter, Router
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.discovery.base import Watch, WatchEventKind
 from dynamo.runtime.errors import ModelNotFound, NoInstances
@@ -30,16 +37,24 @@ log = logging.getLogger(__name__)
 P = TypeVar("P")
 _card_decoder = msgspec.json.Decoder(ModelCard)
 
+RouterFactory = Callable[[ModelCard], Awaitable[Router]]
+
+
+async def _round_robin(card: ModelCard) -> Router:
+    return RoundRobinRouter()
+
 
 @dataclass
 class ModelEntry(Generic[P]):
-    """One served model: its cards (one per worker instance), pipeline and endpoint clients."""
+    """One model: its cards (one per worker instance), pipeline, routers and endpoint clients
+    (one of each per worker role). ``pipeline`` is None while only prefill workers are known."""
 
     name: str
-    pipeline: P
     checksum: str | None
+    pipeline: P | None = None
     cards: dict[int, ModelCard] = field(default_factory=dict)
     clients: dict[WorkerRole, EndpointClient] = field(default_factory=dict)
+    routers: dict[WorkerRole, Router] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def cards_of(self, role: WorkerRole) -> list[ModelCard]:
@@ -60,6 +75,14 @@ class ModelEntry(Generic[P]):
         return WorkerRole.AGGREGATED
 
     @property
+    def router(self) -> Router:
+        """The router of the serving role (NoInstances when it has no worker)."""
+        router = self.routers.get(self.serving_role())
+        if router is None:
+            raise NoInstances(f"Model temporarily unavailable: {self.name!r} has no live instance")
+        return router
+
+    @property
     def any_card(self) -> ModelCard:
         return next(iter(self.cards.values()))
 
@@ -72,11 +95,13 @@ class ModelRegistry(Generic[P]):
         runtime: DistributedRuntime,
         pipeline_factory: Callable[[ModelCard], Awaitable[P]],
         *,
+        router_factory: RouterFactory = _round_robin,
         retention_s: float = 60.0,
         on_change: Callable[[ModelEntry[P], bool], None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._factory = pipeline_factory
+        self._router_factory = router_factory
         self._retention_s = retention_s
         self._on_change = on_change
         self._models: dict[str, ModelEntry[P]] = {}
@@ -103,6 +128,9 @@ class ModelRegistry(Generic[P]):
         if self._watch is not None:
             await self._watch.close()
             self._watch = None
+        for entry in list(self._models.values()):
+            await self._close_routers(entry)
+        self._models.clear()
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
@@ -114,7 +142,7 @@ class ModelRegistry(Generic[P]):
                 if event.kind is WatchEventKind.PUT:
                     await self._put(event.key, event.value)
                 else:
-                    self._delete(event.key)
+                    await self._delete(event.key)
             except Exception:
                 log.exception("model registry failed to apply %s %s", event.kind, event.key)
 
@@ -127,21 +155,7 @@ class ModelRegistry(Generic[P]):
         async with self._lock:
             entry = self._models.get(card.served_model_name)
             if entry is None:
-                try:
-                    pipeline = await self._factory(card)
-                except Exception as exc:
-                    log.error(
-                        "refusing worker %x: cannot load model %r from %s: %s",
-                        card.instance_id,
-                        card.served_model_name,
-                        card.model_path,
-                        exc,
-                    )
-                    return
-                entry = ModelEntry(card.served_model_name, pipeline, card.tokenizer_checksum)
-                self._models[entry.name] = entry
-                self._retired.pop(entry.name, None)
-                log.info("model %r is now served", entry.name)
+                entry = ModelEntry(card.served_model_name, card.tokenizer_checksum)
             elif entry.checksum != card.tokenizer_checksum:
                 log.error(
                     "refusing worker %x for model %r: its tokenizer (checksum %s) differs from the "
@@ -152,30 +166,68 @@ class ModelRegistry(Generic[P]):
                     entry.checksum,
                 )
                 return
+            if entry.pipeline is None and card.role is not WorkerRole.PREFILL:
+                try:
+                    entry.pipeline = await self._factory(card)
+                except Exception as exc:
+                    log.error(
+                        "refusing worker %x: cannot load model %r from %s: %s",
+                        card.instance_id,
+                        card.served_model_name,
+                        card.model_path,
+                        exc,
+                    )
+                    return
+            if card.role not in entry.routers:
+                try:
+                    entry.routers[card.role] = await self._router_factory(card)
+                except Exception as exc:
+                    log.error("refusing worker %x: no router for it: %s", card.instance_id, exc)
+                    return
             if card.role not in entry.clients:
                 entry.clients[card.role] = await self._client_for(
                     EndpointId(card.namespace, card.component, card.endpoint)
                 )
+            if entry.name not in self._models:
+                self._models[entry.name] = entry
+                self._retired.pop(entry.name, None)
+                log.info("model %r is now served", entry.name)
             entry.cards[card.instance_id] = card
+            entry.routers[card.role].add_worker(card)
             self._keys[key] = (entry.name, card.instance_id)
         if self._on_change is not None:
             self._on_change(entry, True)
 
-    def _delete(self, key: str) -> None:
-        located = self._keys.pop(key, None)
-        if located is None:
-            return
-        name, instance_id = located
-        entry = self._models.get(name)
-        if entry is None:
-            return
-        entry.cards.pop(instance_id, None)
-        if not entry.cards:
-            del self._models[name]
-            self._retired[name] = time.monotonic() + self._retention_s
-            log.info("model %r has no workers left", name)
+    async def _delete(self, key: str) -> None:
+        async with self._lock:
+            located = self._keys.pop(key, None)
+            if located is None:
+                return
+            name, instance_id = located
+            entry = self._models.get(name)
+            if entry is None:
+                return
+            card = entry.cards.pop(instance_id, None)
+            if card is not None:
+                router = entry.routers.get(card.role)
+                if router is not None:
+                    router.remove_worker(instance_id)
+            if not entry.cards:
+                del self._models[name]
+                self._retired[name] = time.monotonic() + self._retention_s
+                await self._close_routers(entry)
+                log.info("model %r has no workers left", name)
         if self._on_change is not None:
             self._on_change(entry, False)
+
+    async def _close_routers(self, entry: ModelEntry[P]) -> None:
+        routers = list(entry.routers.values())
+        entry.routers.clear()
+        for router in routers:
+            try:
+                await router.close()
+            except Exception:
+                log.exception("closing a router of model %r failed", entry.name)
 
     async def _client_for(self, endpoint_id: EndpointId) -> EndpointClient:
         client = self._clients.get(endpoint_id)
@@ -187,9 +239,12 @@ class ModelRegistry(Generic[P]):
 
     # -- queries ---------------------------------------------------------------------------
     def get(self, name: str) -> ModelEntry[P]:
-        """The model, or ModelNotFound (404) / NoInstances (503, recently gone)."""
+        """A servable model, or ModelNotFound (404) / NoInstances (503: recently gone, or only
+        prefill workers so far)."""
         entry = self._models.get(name)
         if entry is not None:
+            if entry.pipeline is None:
+                raise NoInstances(f"Model temporarily unavailable: {name!r} has no decode worker")
             return entry
         until = self._retired.get(name)
         if until is not None and time.monotonic() < until:
@@ -197,4 +252,11 @@ class ModelRegistry(Generic[P]):
         raise ModelNotFound(f"The model `{name}` does not exist")
 
     def models(self) -> list[ModelEntry[P]]:
-        return sorted(self._models.values(), key=lambda e: e.name)
+        """The models that can be served (listed in /v1/models)."""
+        return sorted(
+            (e for e in self._models.values() if e.pipeline is not None), key=lambda e: e.name
+        )
+
+    def live_routers(self) -> list[Router]:
+        """Every router of every model (for tests and diagnostics)."""
+        return [r for e in self._models.values() for r in e.routers.values()]

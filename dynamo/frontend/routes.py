@@ -1,44 +1,23 @@
 """Route handlers: the OpenAI endpoints, model listings, health and metrics.
 
-Handlers talk to the HTTP server through :class:`Exchange` (implemented by ``app.py`` for granian's
-RSGI), so they stay server-independent and testable.
+Handlers talk to the HTTP server through :class:`~dynamo.frontend.exchange.Exchange` (implemented
+by ``app.py`` for granian's RSGI, faked in tests), so they stay server-independent and testable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import generate_latest
 
 from dynamo.frontend.errors import HTTPError, to_http
+from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.generate import GenerateHandler
 from dynamo.frontend.model_registry import ModelRegistry
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.streaming import JSON_HEADERS, encode_json
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.openai import ModelList, ModelListing
-
-
-class StreamSink(Protocol):
-    async def send(self, data: bytes) -> None: ...
-
-
-class Exchange(Protocol):
-    """One HTTP request/response, as the handlers see it."""
-
-    method: str
-    path: str
-
-    def header(self, name: str) -> str | None: ...
-
-    async def body(self, limit: int) -> bytes: ...
-
-    def reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None: ...
-
-    def start_stream(self, status: int, headers: list[tuple[str, str]]) -> StreamSink: ...
-
-    def disconnected(self) -> Awaitable[None]: ...
 
 
 class Routes:

@@ -1,48 +1,35 @@
-"""``python -m dynamo.mocker``: serve N mocker engines (``--num-workers``) in one worker process."""
+"""``python -m dynamo.mocker``: serve N mocker engines (``--num-workers``) in one worker process.
+
+The worker wiring is :mod:`dynamo.backend.serve_engine` (the same for every engine); this module
+only says how to build a mocker engine from its flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from dynamo.backend.disagg import DisaggregationMode
 from dynamo.backend.kv_publisher import KVPublisher
-from dynamo.backend.run import configure_logging, run_async
-from dynamo.backend.worker import Worker, WorkerConfig
+from dynamo.backend.serve_engine import (
+    EngineFactory,
+    ServeOptions,
+    WorkerSpec,
+    add_worker_arguments,
+    build_served_worker,
+    serve_engine,
+)
+from dynamo.backend.worker import Worker
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.engine import MockerEngine
-from dynamo.runtime.config import RuntimeConfig, add_flag
-from dynamo.runtime.naming import EndpointId
-from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+from dynamo.protocol.model_card import WorkerRole
+from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.runtime import InProcessHub
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser("dynamo mocker", description="a simulated vLLM-like engine")
     MockerConfig.add_arguments(parser)
-    RuntimeConfig.add_arguments(parser)
-    add_flag(
-        parser,
-        "--graceful-shutdown-timeout",
-        default=5.0,
-        type=float,
-        help="seconds in-flight requests get to finish on shutdown",
-    )
-    add_flag(
-        parser,
-        "--system-port",
-        default=None,
-        type=int,
-        env="DYN_SYSTEM_PORT",
-        help="serve /health, /live and /metrics on this port (0: any free port)",
-    )
-    add_flag(
-        parser,
-        "--system-host",
-        default="0.0.0.0",
-        env="DYN_SYSTEM_HOST",
-        help="address of the status server",
-    )
-    add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_worker_arguments(parser)
     return parser
 
 
@@ -62,65 +49,52 @@ def mocker_config(args: argparse.Namespace) -> MockerConfig:
     return MockerConfig.from_args(args, **overrides)
 
 
+def mocker_engines(config: MockerConfig) -> tuple[EngineFactory, WorkerSpec]:
+    """How to build a mocker engine, and the worker it makes."""
+
+    def factory(publisher: KVPublisher) -> MockerEngine:
+        return MockerEngine(
+            config, kv_event_sink=publisher.publish_kv, load_sink=publisher.publish_load
+        )
+
+    spec = WorkerSpec(
+        model_path=config.model_path or "",
+        served_model_name=config.served_model_name,
+        role=WorkerRole(config.disaggregation_mode),
+        endpoint=config.endpoint or None,
+        num_engines=config.num_workers,
+    )
+    return factory, spec
+
+
 def build_worker(
     config: MockerConfig,
     runtime_config: RuntimeConfig,
     *,
-    graceful_shutdown_timeout: float = 5.0,
     hub: InProcessHub | None = None,
     install_signal_handlers: bool = True,
-    system_host: str = "0.0.0.0",
-    system_port: int | None = None,
+    options: ServeOptions | None = None,
 ) -> Worker:
-    """A Worker serving ``config.num_workers`` mocker engines under one runtime."""
-    runtime = DistributedRuntime(runtime_config, hub)
-    publisher = KVPublisher(runtime)
-    engines = [
-        MockerEngine(config, kv_event_sink=publisher.publish_kv, load_sink=publisher.publish_load)
-        for _ in range(config.num_workers)
-    ]
-    endpoint = EndpointId.parse(config.endpoint_for(runtime_config.namespace))
-    worker_config = WorkerConfig(
-        runtime=runtime_config,
-        model_path=config.model_path or "",
-        served_model_name=config.served_model_name,
-        component=endpoint.component,
-        endpoint=endpoint.endpoint,
-        disaggregation_mode=DisaggregationMode(config.disaggregation_mode),
-        graceful_shutdown_timeout=graceful_shutdown_timeout,
+    """A Worker serving ``config.num_workers`` mocker engines (in-process serving, tests)."""
+    factory, spec = mocker_engines(config)
+    return build_served_worker(
+        factory,
+        spec,
+        runtime_config,
+        options,
+        hub=hub,
         install_signal_handlers=install_signal_handlers,
-        system_host=system_host,
-        system_port=system_port,
     )
-    if endpoint.namespace != runtime_config.namespace:
-        raise ValueError("--endpoint must be in the runtime's --namespace")
-    worker = Worker(engines, worker_config, runtime=runtime, owns_runtime=True)
-
-    async def serve_recovery(w: Worker) -> None:
-        await publisher.serve_recovery(endpoint, w.worker_ids)
-
-    worker.on_registered(serve_recovery)
-    return worker
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
     try:
-        config = mocker_config(args)
-        runtime_config = RuntimeConfig.from_args(args)
-        worker = build_worker(
-            config,
-            runtime_config,
-            graceful_shutdown_timeout=args.graceful_shutdown_timeout,
-            system_host=args.system_host,
-            system_port=args.system_port,
-        )
+        factory, spec = mocker_engines(mocker_config(args))
     except (ValueError, OSError) as exc:
         print(f"dynamo mocker: {exc}", file=sys.stderr)
         return 2
-    run_async(worker.run())
-    return 0
+    return serve_engine(factory, spec, args, name="dynamo mocker")
 
 
 if __name__ == "__main__":

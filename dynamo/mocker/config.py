@@ -10,9 +10,11 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo.backend.disagg import role_component
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
-DISAGGREGATION_MODES = ("agg", "prefill", "decode")
+DISAGGREGATION_MODES = tuple(role.value for role in WorkerRole)
 PREEMPTION_MODES = ("lifo", "fifo")
 DEFAULT_CONTEXT_LENGTH = 32768
 """Used when neither ``--context-length`` nor the model's config gives one."""
@@ -102,7 +104,7 @@ class MockerConfig:
         workers: ``dyn://{ns}.prefill.generate``)."""
         if self.endpoint:
             return self.endpoint
-        component = "prefill" if self.disaggregation_mode == "prefill" else "backend"
+        component = role_component(WorkerRole(self.disaggregation_mode))
         return f"dyn://{namespace}.{component}.generate"
 
     @staticmethod

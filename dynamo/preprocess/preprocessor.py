@@ -157,6 +157,7 @@ class Preprocessor:
         """
         if not messages:
             raise InvalidArgument("messages must contain at least one message")
+        messages = _checked_messages(messages)
         if use_raw_prompt:
             text = "".join(_message_text(_as_dict(message)) for message in messages)
             token_ids = self._tokenizer.encode(text, add_special_tokens=True)
@@ -250,9 +251,16 @@ class Preprocessor:
                 raise InvalidArgument("min_tokens must not exceed max_tokens")
         if params.n < 1:
             raise InvalidArgument("n must be at least 1")
-        max_tokens = room if max_tokens is None else min(max_tokens, room)
-        if min_tokens is not None:
-            min_tokens = min(min_tokens, max_tokens)
+        if max_tokens is None:
+            max_tokens = room
+            if min_tokens is not None:
+                min_tokens = min(min_tokens, max_tokens)
+        elif max_tokens > room:  # refused, not clamped (as vLLM does): the client asked for it
+            raise InvalidArgument(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {context} tokens and your request has "
+                f"{num_prompt} input tokens ({max_tokens} > {context} - {num_prompt})"
+            )
         stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or ())
         request = PreprocessedRequest(
             model=self._name,
@@ -288,6 +296,26 @@ class Preprocessor:
             stop=[s for s in stop if s],
             skip_special_tokens=params.skip_special_tokens,
         )
+
+
+_NEED_CONTENT = frozenset(("system", "developer", "user", "tool"))
+
+
+def _checked_messages(messages: Sequence[Message]) -> list[Mapping[str, Any]]:
+    """OpenAI's message rules: a system, developer, user or tool message has ``content`` (an
+    assistant message may have tool calls instead). ``developer`` is OpenAI's newer name for
+    ``system`` and is rendered as ``system``, as OpenAI does for models that lack the role.
+    Returns new mappings; the caller's are not modified."""
+    out: list[Mapping[str, Any]] = []
+    for i, message in enumerate(messages):
+        m = _as_dict(message)
+        role = m.get("role")
+        if role in _NEED_CONTENT and m.get("content") is None:
+            raise InvalidArgument(f"messages[{i}]: a '{role}' message must have 'content'")
+        if role == "developer":
+            m = {**m, "role": "system"}
+        out.append(m)
+    return out
 
 
 def _as_dict(message: Message) -> Mapping[str, Any]:

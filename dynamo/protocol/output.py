@@ -22,15 +22,6 @@ class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
     cached_tokens: int | None = None
 
 
-class WorkerPlacement(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Which worker (and DP rank) served the request: returned on request (nvext worker_id)."""
-
-    worker_id: int | None = None
-    dp_rank: int | None = None
-    prefill_worker_id: int | None = None
-    prefill_dp_rank: int | None = None
-
-
 class TopLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One alternative at a position: token id and its log-probability (most likely first)."""
 
@@ -42,8 +33,8 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False
     """One chunk of an engine's stream.
 
     A chunk with ``finish_reason`` set is a *terminal*: exactly one terminal ends every stream, and
-    nothing follows it. ``error`` carries the message of an ``ERROR`` terminal. ``index`` is the
-    choice index when a request asks for n > 1 choices.
+    nothing follows it. ``error`` carries the message of an ``ERROR`` terminal. (A request with
+    n > 1 choices reaches engines as n requests, so a stream is always one choice.)
     """
 
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -51,8 +42,6 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False
     error: str | None = None
     usage: Usage | None = None
     disaggregated_params: DisaggregatedParams | None = None
-    index: int | None = None
-    placement: WorkerPlacement | None = None
     # Set only when the request asked for them (OutputOptions): one entry per token of
     # ``token_ids`` (the chosen token's log-probability) and, per token, its top alternatives.
     log_probs: list[float] | None = None

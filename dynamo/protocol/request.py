@@ -97,6 +97,5 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     routing: RoutingHints | None = None
     annotations: list[str] = msgspec.field(default_factory=list)
     lora_name: str | None = None
-    prefill_only: bool = False
     prefill_result: DisaggregatedParams | None = None
     migration_link: TraceLink | None = None

@@ -1,8 +1,11 @@
 """The router seam, and the basic policies: round-robin, random and direct.
 
 A router picks one (instance, DP rank) among a model's live candidates for each request, and
-hears about the request's progress (first token, end) so it can keep load accounting. Routers
-are driven by one task (the frontend's event loop) and are not thread-safe.
+hears about the request's progress (first token, end) so it can keep load accounting. The
+frontend's model registry creates a model's router when the model's first worker of a role
+appears, tells it about every worker that joins or leaves (from the discovery watch, so a KV
+router indexes a worker's events from its first one), and closes it when the model retires.
+Routers are driven by one task (the frontend's event loop) and are not thread-safe.
 """
 
 from __future__ import annotations
@@ -35,6 +38,37 @@ class Router(Protocol):
         """The request ended (completed, failed or cancelled): free its load. Idempotent."""
         ...
 
+    def add_worker(self, card: ModelCard) -> None:
+        """A worker of the model joined (its card appeared in discovery)."""
+        ...
+
+    def remove_worker(self, instance_id: int) -> None:
+        """A worker left: forget its index and load."""
+        ...
+
+    async def close(self) -> None:
+        """The model retired: stop background work (event following, sync)."""
+        ...
+
+
+class _Stateless:
+    """The lifecycle of a router that keeps no per-worker state."""
+
+    def on_first_token(self, request_id: str) -> None:
+        pass
+
+    def on_finish(self, request_id: str) -> None:
+        pass
+
+    def add_worker(self, card: ModelCard) -> None:
+        pass
+
+    def remove_worker(self, instance_id: int) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
 
 def pinned(request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection | None:
     """Direct routing: the request names its instance (nvext.backend_instance_id)."""
@@ -47,7 +81,7 @@ def pinned(request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Sel
     raise NoInstances(f"instance {hints.backend_instance_id} is not a live worker of this model")
 
 
-class RoundRobinRouter:
+class RoundRobinRouter(_Stateless):
     def __init__(self) -> None:
         self._next = 0
 
@@ -61,14 +95,8 @@ class RoundRobinRouter:
         self._next = idx + 1
         return Selection(candidates[idx].instance_id)
 
-    def on_first_token(self, request_id: str) -> None:
-        pass
 
-    def on_finish(self, request_id: str) -> None:
-        pass
-
-
-class RandomRouter:
+class RandomRouter(_Stateless):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
@@ -79,9 +107,3 @@ class RandomRouter:
         if not candidates:
             raise NoInstances("no live instance")
         return Selection(candidates[self._rng.randrange(len(candidates))].instance_id)
-
-    def on_first_token(self, request_id: str) -> None:
-        pass
-
-    def on_finish(self, request_id: str) -> None:
-        pass

@@ -21,8 +21,12 @@ class KVRouterSettings:
     ttl_secs: float = 120.0
     active_decode_blocks_threshold: float | None = None
     active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
     track_active_blocks: bool = True
+    track_prefill_tokens: bool = True
     assume_kv_reuse: bool = True
+    decode_active_request_weight: float = 0.0
+    overlap_score_credit_decay: float = 0.0
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +96,34 @@ class KVRouterSettings:
         )
         add_flag(
             g,
+            "--active-prefill-tokens-threshold-frac",
+            default=None,
+            type=float,
+            help="busy when active prefill tokens exceed this fraction of max_num_batched_tokens",
+        )
+        add_flag(
+            g,
+            "--router-track-prefill-tokens",
+            default=d.track_prefill_tokens,
+            type=bool,
+            help="count prompt tokens in a worker's load (off for decode-only routers)",
+        )
+        add_flag(
+            g,
+            "--router-decode-active-request-weight",
+            default=d.decode_active_request_weight,
+            type=float,
+            help="cost per active request on a worker",
+        )
+        add_flag(
+            g,
+            "--router-kv-overlap-score-credit-decay",
+            default=d.overlap_score_credit_decay,
+            type=float,
+            help="shrink the cache-hit credit of workers with more prefill queued than the least",
+        )
+        add_flag(
+            g,
             "--router-track-active-blocks",
             default=d.track_active_blocks,
             type=bool,
@@ -112,6 +144,10 @@ class KVRouterSettings:
             temperature=self.temperature,
             active_decode_blocks_threshold=self.active_decode_blocks_threshold,
             active_prefill_tokens_threshold=self.active_prefill_tokens_threshold,
+            active_prefill_tokens_threshold_frac=self.active_prefill_tokens_threshold_frac,
+            track_prefill_tokens=self.track_prefill_tokens,
+            decode_active_request_weight=self.decode_active_request_weight,
+            overlap_score_credit_decay=self.overlap_score_credit_decay,
         )
 
     @classmethod
@@ -125,6 +161,10 @@ class KVRouterSettings:
             ttl_secs=args.router_ttl_secs,
             active_decode_blocks_threshold=args.active_decode_blocks_threshold,
             active_prefill_tokens_threshold=args.active_prefill_tokens_threshold,
+            active_prefill_tokens_threshold_frac=args.active_prefill_tokens_threshold_frac,
+            track_prefill_tokens=args.router_track_prefill_tokens,
+            decode_active_request_weight=args.router_decode_active_request_weight,
+            overlap_score_credit_decay=args.router_kv_overlap_score_credit_decay,
             track_active_blocks=args.router_track_active_blocks,
             assume_kv_reuse=args.router_assume_kv_reuse,
         )

@@ -6,7 +6,9 @@ index (KV events, or the approximate TTL index of our own decisions) -> load per
 first token (prefill) and its end (decode blocks).
 
 Background tasks (owned here, cancelled by :meth:`close`): applying KV event batches, recovering a
-worker rank's index after a gap or when a worker is first seen, and replica sync.
+worker rank's index after a gap or when a worker joins, and replica sync. Workers join and leave
+through :meth:`KVRouter.add_worker` / :meth:`KVRouter.remove_worker`, called by the frontend's
+model registry from its discovery watch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
-from dynamo.router.replica_sync import ReplicaSync, SyncEvent, SyncOp
+from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
 from dynamo.router.selector import Candidate, select_worker
 from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.client import EndpointClient
@@ -85,7 +87,7 @@ class KVRouter:
         self._events_task: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
         self._recovery: EndpointClient | None = None
-        self._sync: ReplicaSync | None = None
+        self._sync: RouterReplicaSync | None = None
 
     @classmethod
     async def create(
@@ -111,7 +113,7 @@ class KVRouter:
             )
         if self.settings.replica_sync:
             on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
-            self._sync = ReplicaSync(
+            self._sync = RouterReplicaSync(
                 self._runtime.events,
                 self.model,
                 self.block_size,
@@ -139,7 +141,9 @@ class KVRouter:
     # -- the Router seam -------------------------------------------------------------------
     def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
         started = time.perf_counter()
-        self._sync_workers(candidates)
+        for card in candidates:  # normally known already (add_worker from discovery)
+            if card.instance_id not in self._workers:
+                self.add_worker(card)
         if not candidates:
             raise NoInstances("no live instance")
         request_id = request.request_id or ""
@@ -239,29 +243,32 @@ class KVRouter:
             )
         return out
 
-    def _sync_workers(self, candidates: Sequence[ModelCard]) -> None:
-        """Follow the model's live workers: new ones are tracked (and their index recovered),
-        departed ones are forgotten (index and load)."""
-        live = {card.instance_id: card for card in candidates}
-        for worker_id in [w for w in self._workers if w not in live]:
-            del self._workers[worker_id]
-            self.sequences.remove_worker(worker_id)
-            if self.indexer is not None:
-                self.indexer.remove_worker(worker_id)
-            if self.approx is not None:
-                self.approx.remove_worker(worker_id)
-        for worker_id, card in live.items():
-            if worker_id in self._workers:
-                continue
-            self._workers[worker_id] = card
-            ranks = range(
-                card.data_parallel_start_rank,
-                card.data_parallel_start_rank + card.data_parallel_size,
-            )
-            self.sequences.add_worker(worker_id, ranks)
-            if self.indexer is not None:
-                for rank in ranks:
-                    self._spawn_recovery(worker_id, rank)
+    # -- workers (from the frontend's discovery watch) --------------------------------------
+    def add_worker(self, card: ModelCard) -> None:
+        """Track a new worker: its ranks' load, and its index recovered from its local index
+        (so events it published before we heard of it are not lost)."""
+        worker_id = card.instance_id
+        if worker_id in self._workers:
+            return
+        self._workers[worker_id] = card
+        ranks = range(
+            card.data_parallel_start_rank,
+            card.data_parallel_start_rank + card.data_parallel_size,
+        )
+        self.sequences.add_worker(worker_id, ranks)
+        if self.indexer is not None and self._recovery is not None:
+            for rank in ranks:
+                self._spawn_recovery(worker_id, rank)
+
+    def remove_worker(self, instance_id: int) -> None:
+        """Forget a departed worker: its index and load."""
+        if self._workers.pop(instance_id, None) is None:
+            return
+        self.sequences.remove_worker(instance_id)
+        if self.indexer is not None:
+            self.indexer.remove_worker(instance_id)
+        if self.approx is not None:
+            self.approx.remove_worker(instance_id)
 
     # -- KV events and recovery --------------------------------------------------------------
     async def _follow_events(self) -> None:
@@ -274,7 +281,7 @@ class KVRouter:
                 log.warning("ignoring a malformed kv-events message")
                 continue
             if batch is None or batch.worker_id not in self._workers:
-                continue  # another model's worker, or one we have not met yet (recovered then)
+                continue  # another model's worker (ours are added from discovery)
             applied = self._metrics.events_applied if self._metrics is not None else None
             for event in batch.events:
                 status = indexer.apply(batch.worker_id, event)

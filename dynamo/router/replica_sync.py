@@ -47,7 +47,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SyncEvent)
 
 
-class ReplicaSync:
+class RouterReplicaSync:
     """One per KV router with ``--router-replica-sync``. ``apply`` is called for peers' events."""
 
     def __init__(

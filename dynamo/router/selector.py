@@ -15,24 +15,30 @@ from dynamo.runtime.errors import NoInstances, Overloaded
 
 @dataclass(frozen=True, slots=True)
 class SelectorConfig:
-    """Reference defaults (KvRouterConfig); the CLI flag is named beside each field."""
+    """Reference defaults (KvRouterConfig). Every field is set from a flag of
+    ``router/config.py`` (``KVRouterSettings.selector_config``), named beside it."""
 
     overlap_score_credit: float = 1.0  # --router-kv-overlap-score-credit
     prefill_load_scale: float = 1.0  # --kv-overlap-score-weight
     temperature: float = 0.0  # --router-temperature
-    decode_active_request_weight: float = 0.0
-    overlap_score_credit_decay: float = 0.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
+    decode_active_request_weight: float = 0.0  # --router-decode-active-request-weight
+    overlap_score_credit_decay: float = 0.0  # --router-kv-overlap-score-credit-decay
     track_prefill_tokens: bool = True  # --router-track-prefill-tokens
     active_decode_blocks_threshold: float | None = None  # --active-decode-blocks-threshold, [0,1]
     active_prefill_tokens_threshold: int | None = None  # --active-prefill-tokens-threshold
-    active_prefill_tokens_threshold_frac: float | None = None  # x max_num_batched_tokens
+    active_prefill_tokens_threshold_frac: float | None = (
+        None  # --active-prefill-tokens-threshold-frac
+    )
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
-        for name in ("overlap_score_credit", "prefill_load_scale", "decode_active_request_weight"):
+        for name in (
+            "overlap_score_credit",
+            "prefill_load_scale",
+            "decode_active_request_weight",
+            "overlap_score_credit_decay",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         t = self.active_decode_blocks_threshold
@@ -66,8 +72,6 @@ class Candidate:
     active_requests: int = 0
     total_kv_blocks: int | None = None  # needed by the decode-blocks busy threshold
     max_num_batched_tokens: int | None = None  # needed by the fractional prefill threshold
-    host_overlap_blocks: int = 0
-    disk_overlap_blocks: int = 0
 
     @property
     def key(self) -> WorkerKey:
@@ -124,11 +128,8 @@ def candidate_costs(
         if decay_on:
             excess = (c.active_prefill_tokens - min_prefill) / b
             decay = 1.0 / (1.0 + cfg.overlap_score_credit_decay * excess / request_blocks)
-        credit = (
-            cfg.overlap_score_credit * decay * c.overlap_blocks
-            + cfg.host_cache_hit_weight * c.host_overlap_blocks
-            + cfg.disk_cache_hit_weight * c.disk_overlap_blocks
-        )
+        # (the reference also credits host- and disk-tier hits; there are no such tiers here)
+        credit = cfg.overlap_score_credit * decay * c.overlap_blocks
         requests = cfg.decode_active_request_weight * c.active_requests
         if cfg.track_prefill_tokens:
             prefill = max(0.0, (c.active_prefill_tokens + isl_tokens) / b - credit)

@@ -1,16 +1,15 @@
-"""A client over one endpoint: the live instance list and round-robin/random/direct selection.
+"""A client over one endpoint: the live instance list, and streams to one chosen instance.
 
-The instance list follows a discovery watch: an instance that leaves discovery is never picked
-again. Picking from an empty list raises :class:`NoInstances`.
+The instance list follows a discovery watch: an instance that leaves discovery cannot be sent to
+again. Choosing the instance is the caller's business (the frontend's routers in
+``dynamo/router``); a request to an instance that is not live raises :class:`NoInstances`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncGenerator
-from enum import StrEnum
 
 from dynamo.runtime.context import Context
 from dynamo.runtime.discovery.base import Discovery, Watch, WatchEventKind
@@ -20,12 +19,6 @@ from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.request_plane.base import RequestPlaneClient
 
 log = logging.getLogger(__name__)
-
-
-class RoutingMode(StrEnum):
-    ROUND_ROBIN = "round-robin"
-    RANDOM = "random"
-    DIRECT = "direct"
 
 
 class EndpointClient:
@@ -39,16 +32,12 @@ class EndpointClient:
         endpoint_id: EndpointId,
         discovery: Discovery,
         transport: RequestPlaneClient,
-        *,
-        rng: random.Random | None = None,
     ) -> None:
         self.endpoint_id = endpoint_id
         self._discovery = discovery
         self._transport = transport
-        self._rng = rng or random.Random()
         self._instances: dict[int, InstanceInfo] = {}
         self._ids: list[int] = []
-        self._rr_next = 0
         self._watch: Watch | None = None
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
@@ -116,28 +105,9 @@ class EndpointClient:
                 await self._changed.wait()
         return self.instance_ids()
 
-    def pick(self, mode: RoutingMode = RoutingMode.ROUND_ROBIN) -> int:
-        ids = self._ids
-        if not ids:
-            raise NoInstances(f"no live instance of {self.endpoint_id}")
-        if mode is RoutingMode.RANDOM:
-            return ids[self._rng.randrange(len(ids))]
-        idx = self._rr_next % len(ids)
-        self._rr_next = idx + 1
-        return ids[idx]
-
     # -- requests ----------------------------------------------------------------------
-    def stream(
-        self,
-        body: bytes,
-        ctx: Context,
-        *,
-        instance_id: int | None = None,
-        mode: RoutingMode = RoutingMode.ROUND_ROBIN,
-    ) -> AsyncGenerator[bytes, None]:
-        """Send ``body`` to one instance (``instance_id`` for direct routing)."""
-        if instance_id is None:
-            instance_id = self.pick(mode)
+    def stream(self, body: bytes, ctx: Context, *, instance_id: int) -> AsyncGenerator[bytes, None]:
+        """Send ``body`` to the live instance ``instance_id``; iterate its response bodies."""
         info = self._instances.get(instance_id)
         if info is None:
             raise NoInstances(f"instance {instance_id:x} of {self.endpoint_id} is not live")

@@ -13,10 +13,10 @@ import pytest
 
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
-from dynamo.runtime.client import EndpointClient, RoutingMode
+from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import Disconnected, InvalidArgument, StreamIncomplete
+from dynamo.runtime.errors import Disconnected, InvalidArgument, NoInstances, StreamIncomplete
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime
 
@@ -67,12 +67,18 @@ async def test_stream_complete_and_typed_errors(
     spawn: Any, client_runtime: DistributedRuntime
 ) -> None:
     _, client = await start_workers(spawn, client_runtime)
-    outs = await outputs(client.stream(body(max_tokens=8), Context()))
+    outs = await outputs(
+        client.stream(body(max_tokens=8), Context(), instance_id=client.instance_ids()[0])
+    )
     assert [t for o in outs for t in o.token_ids] == list(range(8))
     assert outs[-1].finish_reason is FinishReason.LENGTH
     with pytest.raises(InvalidArgument, match="666"):
-        await outputs(client.stream(body(first_token=666), Context()))
-    outs = await outputs(client.stream(body(first_token=667), Context()))
+        await outputs(
+            client.stream(body(first_token=666), Context(), instance_id=client.instance_ids()[0])
+        )
+    outs = await outputs(
+        client.stream(body(first_token=667), Context(), instance_id=client.instance_ids()[0])
+    )
     assert outs[-1].finish_reason is FinishReason.ERROR and outs[-1].error == "engine exploded"
 
 
@@ -82,7 +88,7 @@ async def test_cancel_mid_stream_aborts_engine(
     procs, client = await start_workers(spawn, client_runtime, TOKEN_DELAY="0.01")
     ctx = Context("cancel-me")
     received: list[LLMEngineOutput] = []
-    stream = client.stream(body(max_tokens=100_000), ctx)
+    stream = client.stream(body(max_tokens=100_000), ctx, instance_id=client.instance_ids()[0])
     async for raw in stream:
         received.append(_dec.decode(raw))
         if len(received) == 5:
@@ -98,7 +104,9 @@ async def test_sigkill_mid_stream_is_incomplete(
     spawn: Any, client_runtime: DistributedRuntime
 ) -> None:
     procs, client = await start_workers(spawn, client_runtime, TOKEN_DELAY="0.01")
-    stream = client.stream(body(max_tokens=100_000), Context())
+    stream = client.stream(
+        body(max_tokens=100_000), Context(), instance_id=client.instance_ids()[0]
+    )
     t0 = 0.0
     with pytest.raises((StreamIncomplete, Disconnected)):
         n = 0
@@ -113,7 +121,11 @@ async def test_sigkill_mid_stream_is_incomplete(
 async def test_sigterm_shutdown_order(spawn: Any, client_runtime: DistributedRuntime) -> None:
     procs, client = await start_workers(spawn, client_runtime, TOKEN_DELAY="0.01", GRACE="5")
     # An in-flight request of ~1 s must finish within the grace period.
-    task = asyncio.create_task(outputs(client.stream(body(max_tokens=100), Context())))
+    task = asyncio.create_task(
+        outputs(
+            client.stream(body(max_tokens=100), Context(), instance_id=client.instance_ids()[0])
+        )
+    )
     await asyncio.sleep(0.2)
     procs[0].popen.send_signal(signal.SIGTERM)
     outs = await asyncio.wait_for(task, 10)
@@ -129,14 +141,14 @@ async def test_sigterm_shutdown_order(spawn: Any, client_runtime: DistributedRun
             await asyncio.sleep(0.05)
 
 
-async def test_round_robin_spreads_and_skips_stopped(
+async def test_instances_follow_discovery_and_a_stopped_one_is_refused(
     spawn: Any, client_runtime: DistributedRuntime
 ) -> None:
     procs, client = await start_workers(spawn, client_runtime, n=3)
     ids = client.instance_ids()
     counts = dict.fromkeys(ids, 0)
-    for _ in range(30):
-        iid = client.pick(RoutingMode.ROUND_ROBIN)
+    for i in range(30):  # round-robin over the live instances
+        iid = ids[i % len(ids)]
         await outputs(client.stream(body(max_tokens=2), Context(), instance_id=iid))
         counts[iid] += 1
     assert sorted(counts.values()) == [10, 10, 10]
@@ -146,6 +158,9 @@ async def test_round_robin_spreads_and_skips_stopped(
     async with asyncio.timeout(5):
         while stopped_id in client.instance_ids():
             await asyncio.sleep(0.05)
-    for _ in range(20):
-        assert client.pick(RoutingMode.ROUND_ROBIN) != stopped_id
-        await outputs(client.stream(body(max_tokens=2), Context()))
+    live = client.instance_ids()
+    assert stopped_id not in live and len(live) == 2
+    for i in range(20):
+        await outputs(client.stream(body(max_tokens=2), Context(), instance_id=live[i % 2]))
+    with pytest.raises(NoInstances):
+        client.stream(body(max_tokens=2), Context(), instance_id=stopped_id)

@@ -148,7 +148,7 @@ async def test_all_workers_busy_is_overload(stack: Stack) -> None:
     assert ok.status_code == 200, ok.text
     assert stack.frontend is not None
     entry = stack.frontend.registry.get("demo")
-    router = entry.pipeline.router
+    router = entry.router
     assert isinstance(router, KVRouter)
     worker_id = entry.live_instance_ids()[0]
     router.sequences.add_request("held", worker_id, 0, [1, 2], new_isl_tokens=32)
@@ -176,7 +176,7 @@ async def test_approximate_mode_routes_by_its_own_decisions(stack: Stack) -> Non
         assert body["nvext"]["worker_id"]["decode_worker_id"] == owner
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert stack.frontend is not None
-    router = stack.frontend.registry.get("demo").pipeline.router
+    router = stack.frontend.registry.get("demo").router
     assert isinstance(router, KVRouter) and router.indexer is None and router.approx is not None
     router.approx.check_invariants()
 
@@ -214,3 +214,38 @@ async def test_dp_ranks_are_routing_targets(stack: Stack) -> None:
         body = await chat(stack, prompt(group, 1))
         assert body["nvext"]["worker_id"]["decode_dp_rank"] == rank
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+
+
+async def test_a_worker_started_after_the_frontend_is_indexed_from_its_first_event(
+    stack: Stack,
+) -> None:
+    import msgspec
+
+    from dynamo.runtime.context import Context
+    from dynamo.runtime.naming import EndpointId
+
+    await stack.add_worker(*MOCKER)
+    await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model()
+    late = await stack.add_worker(*MOCKER)
+    await stack.wait_for_model(instances=2)
+    assert stack.frontend is not None
+    (late_id,) = late.worker_ids
+    entry = stack.frontend.registry.get("demo")
+    router = entry.router
+    assert isinstance(router, KVRouter) and router.indexer is not None
+    assert router.sequences.has_rank(late_id, 0), "known from discovery, before any request"
+    # A request that reaches the late worker without the router: its KV events alone must
+    # put its blocks in the router's index.
+    assert entry.pipeline is not None
+    prepared = entry.pipeline.preprocessor.chat(
+        [{"role": "user", "content": prompt(11, 0)}], GenerationParams(max_tokens=2)
+    )
+    client = await stack.frontend.runtime.client(EndpointId("dynamo", "backend", "generate"))
+    body = msgspec.msgpack.encode(prepared.request)
+    async for _ in client.stream(body, Context(), instance_id=late_id):
+        pass
+    local = local_block_hashes(prepared.request.token_ids, 16)
+    async with asyncio.timeout(5):
+        while router.indexer.find_matches(local).get((late_id, 0), 0) < len(local) - 1:
+            await asyncio.sleep(0.02)

@@ -12,7 +12,13 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import CannotConnect, NoInstances, StreamIncomplete, from_kind
+from dynamo.runtime.errors import (
+    CannotConnect,
+    NoInstances,
+    StreamIncomplete,
+    WorkerShutdown,
+    from_kind,
+)
 from dynamo.runtime.request_plane.base import Handler
 from dynamo.runtime.request_plane.streams import (
     DEFAULT_WINDOW,
@@ -100,7 +106,10 @@ class LocalRequestPlaneServer:
     def open(self, endpoint_path: str, body: bytes, ctx: Context, inbox: _LocalInbox) -> None:
         """Start serving one stream into ``inbox`` (called by the client, on the loop's thread)."""
         handler = self._handlers.get(endpoint_path)
-        if handler is None or self._stopped:
+        if self._stopped:  # the worker is leaving: the caller may retry elsewhere
+            inbox.fail(WorkerShutdown(f"the worker at {self._address} is shutting down"))
+            return
+        if handler is None:
             inbox.fail(NoInstances(f"endpoint {endpoint_path!r} is not served at {self._address}"))
             return
         loop = inbox.loop or asyncio.get_running_loop()

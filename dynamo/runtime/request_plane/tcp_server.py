@@ -101,7 +101,11 @@ class _ServerConnection(FrameWriter):
             raise FrameError(f"stream id {sid} reused or invalid")
         server = self.server
         handler = server._handlers.get(header.endpoint)
-        if handler is None or server._stopping:
+        if server._stopping:  # the worker is leaving: the caller may retry elsewhere
+            message = f"the worker at {server.address} is shutting down"
+            self.write(codec.error_frame(sid, "WorkerShutdown", message))
+            return
+        if handler is None:
             message = f"endpoint {header.endpoint!r} is not served at {server.address}"
             self.write(codec.error_frame(sid, "NoInstances", message))
             return

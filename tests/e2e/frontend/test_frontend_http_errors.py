@@ -93,12 +93,20 @@ def test_prompt_over_context_length_400(serve_stack: Stack) -> None:
         {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "stream": True},
     )
     error_of(status, raw, 400)
-    # a prompt that fits but leaves no room for max_tokens is clamped, not refused
+    # a prompt that fits but leaves no room for max_tokens is refused with the lengths (vLLM)
     status, _, raw = request(
         serve_stack.port,
         "POST",
         COMPLETIONS,
         {"model": MODEL, "prompt": [100] * 8185, "max_tokens": 1000},
+    )
+    err = error_of(status, raw, 400)
+    assert "1000 > 8192 - 8185" in err["message"], err
+    status, _, raw = request(
+        serve_stack.port,
+        "POST",
+        COMPLETIONS,
+        {"model": MODEL, "prompt": [100] * 8185, "max_tokens": 7},
     )
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] <= 8192 - 8185

@@ -30,6 +30,9 @@ def body(reply_body: bytes) -> dict[str, Any]:
         (E.NoInstances("Model temporarily unavailable"), 503, "unavailable"),
         (E.Overloaded("busy"), 529, "overload"),
         (E.StreamIncomplete("lost"), 502, "internal"),
+        (E.EngineShutdown("engine down"), 502, "unavailable"),
+        (E.WorkerShutdown("worker leaving"), 502, "unavailable"),
+        (E.ResponseTimeout("silent worker"), 504, "response_timeout"),
         (E.Cancelled("gone"), 499, "cancelled"),
         (HTTPError(405, "no"), 405, "validation"),
         (HTTPError(413, "too big"), 413, "validation"),
@@ -43,6 +46,14 @@ def test_status_and_label(exc: BaseException, status: int, label: str) -> None:
     assert err["code"] in (status, "model_not_found")
     retry = dict(reply.headers).get("retry-after")
     assert (retry is not None) == (status in (503, 529))
+
+
+def test_no_worker_engine_down_and_timeout_are_told_apart() -> None:
+    kinds = {
+        body(to_http(exc).body)["type"]
+        for exc in (E.NoInstances("x"), E.EngineShutdown("x"), E.ResponseTimeout("x"))
+    }
+    assert kinds == {"service_unavailable", "engine_unavailable", "timeout"}
 
 
 def test_overload_status_is_configurable() -> None:

@@ -114,13 +114,39 @@ def test_engine_fields_reach_the_request(pre: Preprocessor) -> None:
     assert plain.output == OutputOptions() and plain.sampling.guided_decoding is None
 
 
-def test_max_tokens_clamped_to_context(demo_model: ModelDir) -> None:
+def test_max_tokens_beyond_the_context_is_refused_with_the_lengths(demo_model: ModelDir) -> None:
     small = Preprocessor(demo_model, served_model_name="demo", context_length=64)
     assert small.context_length == 64
-    prepared = small.completion("hello world", GenerationParams(max_tokens=1000, min_tokens=900))[0]
-    room = 64 - prepared.num_prompt_tokens
-    assert prepared.request.stop.max_tokens == room
-    assert prepared.request.stop.min_tokens == room
+    prompt_tokens = small.completion("hello world", GenerationParams())[0].num_prompt_tokens
+    room = 64 - prompt_tokens
+    with pytest.raises(InvalidArgument) as info:
+        small.completion("hello world", GenerationParams(max_tokens=1000, min_tokens=900))
+    message = str(info.value)
+    assert "1000" in message and "64" in message and f"{prompt_tokens} input tokens" in message
+    exact = small.completion("hello world", GenerationParams(max_tokens=room))[0]
+    assert exact.request.stop.max_tokens == room
+    unset = small.completion("hello world", GenerationParams(min_tokens=900))[0]
+    assert unset.request.stop.max_tokens == room and unset.request.stop.min_tokens == room
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_a_message_without_content_is_refused(demo_model: ModelDir, role: str) -> None:
+    pre = Preprocessor(demo_model, served_model_name="demo")
+    messages = [{"role": "user", "content": "hi"}, {"role": role}]
+    with pytest.raises(InvalidArgument, match=rf"messages\[1\]: a '{role}' message must have"):
+        pre.chat(messages, GenerationParams())
+    # an assistant turn may carry tool calls instead of content
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]
+    pre.chat([*ok, {"role": "user", "content": "and?"}], GenerationParams())
+
+
+def test_developer_is_rendered_as_system(demo_model: ModelDir) -> None:
+    pre = Preprocessor(demo_model, served_model_name="demo")
+    as_dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    as_sys = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    dev = pre.chat(as_dev, GenerationParams())
+    assert dev.formatted_prompt == pre.chat(as_sys, GenerationParams()).formatted_prompt
+    assert as_dev[0]["role"] == "developer", "the caller's messages are not modified"
 
 
 @pytest.mark.parametrize(

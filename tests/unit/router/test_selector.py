@@ -57,18 +57,17 @@ def test_cost_terms() -> None:
         active_decode_blocks=7,
         new_decode_blocks=2,
         active_requests=4,
-        host_overlap_blocks=4,
     )
-    # (32 + 160)/16 = 12 raw; credit 3 + 0.75*4 = 6 -> 6 prefill; decode 9; requests 0.5*4
+    # (32 + 160)/16 = 12 raw; credit 3 -> 9 prefill; decode 9; requests 0.5*4
     cfg = SelectorConfig(decode_active_request_weight=0.5)
-    assert candidate_costs([c], 160, B, cfg) == [6.0 + 9.0 + 2.0]
-    assert candidate_costs([c], 160, B, SelectorConfig(prefill_load_scale=2.0)) == [12.0 + 9.0]
+    assert candidate_costs([c], 160, B, cfg) == [9.0 + 9.0 + 2.0]
+    assert candidate_costs([c], 160, B, SelectorConfig(prefill_load_scale=2.0)) == [18.0 + 9.0]
     # overlap beyond the prompt never makes the prefill term negative
     big = Candidate(worker_id=1, overlap_blocks=50)
     assert candidate_costs([big], 160, B, SelectorConfig()) == [0.0]
     # decode-only router (prefill untracked): the credit offsets decode load
     dec = SelectorConfig(track_prefill_tokens=False)
-    assert candidate_costs([c], 160, B, dec) == [max(0.0, 9.0 - 6.0)]
+    assert candidate_costs([c], 160, B, dec) == [max(0.0, 9.0 - 3.0)]
     no_credit = SelectorConfig(track_prefill_tokens=False, overlap_score_credit=0.0)
     assert candidate_costs([c], 160, B, no_credit) == [9.0]
     with pytest.raises(ValueError):
@@ -166,3 +165,34 @@ def test_no_candidates_and_bad_config() -> None:
         select_worker(
             [Candidate(worker_id=1)], 16, B, SelectorConfig(), random.Random(0), temperature=-1
         )
+
+
+def test_every_selector_knob_has_a_flag() -> None:
+    import argparse
+    import dataclasses
+
+    from dynamo.router.config import KVRouterSettings
+
+    parser = argparse.ArgumentParser()
+    KVRouterSettings.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--router-temperature=0.5",
+            "--router-kv-overlap-score-credit=0.5",
+            "--kv-overlap-score-weight=2",
+            "--router-decode-active-request-weight=0.25",
+            "--router-kv-overlap-score-credit-decay=1.5",
+            "--no-router-track-prefill-tokens",
+            "--active-decode-blocks-threshold=0.9",
+            "--active-prefill-tokens-threshold=1000",
+            "--active-prefill-tokens-threshold-frac=0.75",
+        ]
+    )
+    cfg = KVRouterSettings.from_args(args).selector_config()
+    default = SelectorConfig()
+    unchanged = [
+        f.name
+        for f in dataclasses.fields(SelectorConfig)
+        if getattr(cfg, f.name) == getattr(default, f.name)
+    ]
+    assert unchanged == [], "a selector knob no flag can set"

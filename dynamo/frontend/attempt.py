@@ -1,0 +1,175 @@
+"""Attempts: route one engine request to one instance and stream its responses back.
+
+An *attempt* is one try at serving one choice: the router's decision, a transport stream to that
+instance, and the load the decision added to the router. It works on its own copy of the request
+(the routing decision is written into a copy: the request is never mutated, so choices and later
+attempts never see each other's placement). Its responses are bounded in time: the first within
+``Timeouts.first_response_s``, each next within ``Timeouts.inter_chunk_s`` of asking for it, or
+the attempt ends with :class:`ResponseTimeout`.
+
+:func:`attempts` is the loop of attempts that serves one choice. Today it makes one; request
+migration (issue 13) retries there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from dynamo.frontend.idle import IdleTimer
+from dynamo.frontend.pipeline import ChoiceStats
+from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.output import LLMEngineOutput
+from dynamo.protocol.request import PreprocessedRequest, RoutingHints
+from dynamo.router.basic import Router, Selection
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import NoInstances, ResponseTimeout
+
+if TYPE_CHECKING:
+    from dynamo.frontend.model_registry import ModelEntry
+    from dynamo.frontend.pipeline import ModelPipeline
+
+_request_encoder = msgspec.msgpack.Encoder()
+_output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Per-attempt response timeouts in seconds (0 disables one). Generous by default: a long
+    prompt's prefill on a busy worker can take minutes; a silent worker must not hang a client
+    forever."""
+
+    first_response_s: float = 600.0
+    inter_chunk_s: float = 300.0
+
+
+class Load:
+    """The load one routed request adds to its router, released exactly once: the prefill part at
+    the first token, the whole at :meth:`free` (idempotent; the in-flight request frees whatever
+    is left when it finishes)."""
+
+    __slots__ = ("_router", "request_id", "prefilled", "freed")
+
+    def __init__(self, router: Router, request_id: str) -> None:
+        self._router = router
+        self.request_id = request_id
+        self.prefilled = False
+        self.freed = False
+
+    def first_token(self) -> None:
+        if not self.prefilled and not self.freed:
+            self.prefilled = True
+            self._router.on_first_token(self.request_id)
+
+    def free(self) -> None:
+        if not self.freed:
+            self.freed = True
+            self._router.on_finish(self.request_id)
+
+
+def candidates(entry: ModelEntry[ModelPipeline]) -> list[ModelCard]:
+    """The model's serving workers that are live (a card and an endpoint registration)."""
+    role = entry.serving_role()
+    live = entry.live_instance_ids(role)
+    if not live:
+        raise NoInstances(f"Model temporarily unavailable: {entry.name!r} has no live instance")
+    return [entry.cards[i] for i in live]
+
+
+def placed(request: PreprocessedRequest, selection: Selection) -> PreprocessedRequest:
+    """The request as sent to ``selection``: a copy carrying the chosen DP rank."""
+    if selection.dp_rank is None:
+        return request
+    hints = request.routing
+    if hints is not None and hints.dp_rank == selection.dp_rank:
+        return request
+    new_hints = (
+        RoutingHints(dp_rank=selection.dp_rank)
+        if hints is None
+        else msgspec.structs.replace(hints, dp_rank=selection.dp_rank)
+    )
+    return msgspec.structs.replace(request, routing=new_hints)
+
+
+async def attempts(
+    entry: ModelEntry[ModelPipeline],
+    request: PreprocessedRequest,
+    ctx: Context,
+    stats: ChoiceStats,
+    loads: list[Load],
+    timeouts: Timeouts,
+) -> AsyncGenerator[list[LLMEngineOutput], None]:
+    """Serve one choice: yield its engine outputs, a batch (every chunk already received) at a
+    time; the terminal chunk, when it comes, is the last one. Raises DynamoError on failure.
+
+    Every load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
+
+    This is the loop of attempts with one iteration. Migration (issue 13) goes here: on a
+    migratable error (CannotConnect, StreamIncomplete, Disconnected, ResponseTimeout,
+    EngineShutdown, WorkerShutdown) while ``ctx`` is live and the budget allows, start another
+    attempt on another instance with the tokens already yielded appended to the prompt.
+    """
+    router = entry.router
+    selection = router.select(request, candidates(entry))
+    stats.selection = selection
+    stats.dispatched_at = time.monotonic()
+    load = Load(router, request.request_id or ctx.id)
+    loads.append(load)
+    client = entry.clients[entry.serving_role()]
+    body = _request_encoder.encode(placed(request, selection))
+    stream = client.stream_batches(body, ctx, instance_id=selection.instance_id)
+    receive = stream.__anext__
+    decode = _output_decoder.decode
+    watchdog: IdleTimer | None = None
+    expired = False
+    task = asyncio.current_task()
+    assert task is not None
+    if timeouts.first_response_s > 0:
+
+        def on_idle() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        watchdog = IdleTimer(timeouts.first_response_s, on_idle)
+    first = True
+    try:
+        while True:
+            if watchdog is not None:
+                watchdog.touch()
+            try:
+                raw = await receive()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if expired and task.uncancel() == 0:
+                    phase = "first response" if first else "next response"
+                    limit = timeouts.first_response_s if first else timeouts.inter_chunk_s
+                    raise ResponseTimeout(
+                        f"worker {selection.instance_id:x} sent no {phase} within {limit:g}s"
+                    ) from None
+                raise
+            if watchdog is not None:
+                watchdog.pause()
+            outs = [decode(b) for b in raw] if len(raw) > 1 else [decode(raw[0])]
+            if first:
+                first = False
+                if watchdog is not None:
+                    if timeouts.inter_chunk_s > 0:
+                        watchdog.set_period(timeouts.inter_chunk_s)
+                    else:
+                        watchdog.cancel()
+                        watchdog = None
+            if not load.prefilled and any(o.token_ids for o in outs):
+                load.first_token()
+            yield outs
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        await stream.aclose()
+        load.free()

@@ -1,0 +1,144 @@
+"""The one owner of a generate request, from admission to :meth:`InflightRequest.finish`.
+
+It holds the request's ids, its ``Context``, its timing and usage (``RunStats``), its formatter
+and the router loads its attempts added. ``finish()`` is idempotent and the only place that
+records the request's metrics (``requests_total`` exactly once, whatever the path: rejection,
+validation error, engine error before or after the first token, disconnect, success) and frees
+its router load (each load exactly once). Tracing (a later issue) ends the request's span there.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from dynamo.frontend.attempt import Load
+from dynamo.frontend.errors import to_http
+from dynamo.frontend.exchange import Exchange
+from dynamo.frontend.pipeline import ChoiceStats, RunStats
+from dynamo.frontend.streaming import JSON_HEADERS, Formatter
+from dynamo.observability.metrics import FrontendMetrics, observe_many
+from dynamo.preprocess import Prepared
+from dynamo.runtime.context import Context
+
+
+class InflightRequest:
+    """One HTTP generate request. Labels (``model``, ``request_type``) are filled in as the
+    request is parsed; :meth:`begin` marks the start of generation (gauges, context, stats)."""
+
+    __slots__ = (
+        "_metrics",
+        "_namespace",
+        "_on_finish",
+        "endpoint",
+        "model",
+        "request_type",
+        "request_id",
+        "engine_id",
+        "id_headers",
+        "started",
+        "ctx",
+        "stats",
+        "fmt",
+        "loads",
+        "finished",
+    )
+
+    def __init__(
+        self,
+        http: Exchange,
+        metrics: FrontendMetrics,
+        endpoint: str,
+        *,
+        namespace: str,
+        on_finish: Callable[[InflightRequest], None] | None = None,
+    ) -> None:
+        self.started = time.monotonic()
+        self._metrics = metrics
+        self._namespace = namespace
+        self._on_finish = on_finish
+        self.endpoint = endpoint
+        # Only served model names become metric labels: a client naming arbitrary models must
+        # not grow the label set without bound ("unknown" until the model is found).
+        self.model = "unknown"
+        self.request_type = "unary"
+        client_id = http.header("x-dynamo-request-id") or http.header("x-request-id")
+        self.request_id = client_id or uuid.uuid4().hex
+        self.id_headers = [
+            ("x-request-id", self.request_id),
+            ("x-dynamo-request-id", self.request_id),
+        ]
+        # The id the engines, router and request plane see must be unique: a client may reuse
+        # its x-request-id (retries), and a cancel by context id must not hit the other request.
+        self.engine_id = (
+            self.request_id if client_id is None else f"{client_id}-{uuid.uuid4().hex[:12]}"
+        )
+        self.ctx: Context | None = None
+        self.stats: RunStats | None = None
+        self.fmt: Formatter | None = None
+        self.loads: list[Load] = []
+        self.finished = False
+
+    def begin(self, prepared: list[Prepared], n: int, fmt: Formatter) -> Context:
+        """Generation starts: the request's context, stats and formatter; the gauges go up."""
+        self.ctx = Context(self.engine_id)
+        self.stats = RunStats(
+            [ChoiceStats() for _ in prepared],
+            prompt_tokens=sum(p.num_prompt_tokens for p in prepared) // n,
+            started_at=self.started,
+        )
+        self.fmt = fmt
+        self._metrics.active_requests.labels(self.model).inc()
+        self._metrics.inflight_requests.labels(self.model).inc()
+        return self.ctx
+
+    def stop(self) -> None:
+        """Ask the request to stop (shutdown, client gone): the engines abort."""
+        if self.ctx is not None:
+            self.ctx.stop_generating()
+
+    # -- ends ----------------------------------------------------------------------------------
+    def fail(self, http: Exchange, exc: BaseException, overload_status: int = 529) -> str:
+        """Answer with the error's status and OpenAI body, and finish. Returns the error type."""
+        reply = to_http(exc, overload_status)
+        if reply.error_type == "overload":
+            self._metrics.model_rejection.labels(self.model, self.endpoint).inc()
+        http.reply(reply.status, [*JSON_HEADERS, *reply.headers, *self.id_headers], reply.body)
+        self.finish("error", reply.error_type)
+        return reply.error_type
+
+    def disconnected(self) -> None:
+        """The client went away mid-request: count it, and finish as cancelled."""
+        self._metrics.disconnected_clients.inc()
+        self._metrics.model_cancellation.labels(self.model, self.endpoint, self.request_type).inc()
+        self.finish("error", "cancelled")
+
+    def finish(self, status: str = "success", error_type: str = "") -> None:
+        """Record the outcome and free what the request holds. Idempotent: the first call wins."""
+        if self.finished:
+            return
+        self.finished = True
+        for load in self.loads:
+            load.free()
+        m = self._metrics
+        model = self.model
+        m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
+        stats = self.stats
+        if stats is not None:
+            m.active_requests.labels(model).dec()
+            m.inflight_requests.labels(model).dec()
+            m.request_duration.labels(model).observe(time.monotonic() - self.started)
+            m.input_tokens.labels(model, self._namespace).observe(stats.prompt_tokens)
+            m.output_tokens.labels(model).observe(stats.completion_tokens)
+            m.output_tokens_total.labels(model, self._namespace).inc(stats.completion_tokens)
+            first = stats.first_token_at
+            if first is not None:
+                m.ttft.labels(model).observe(first - self.started)
+            itl = m.itl.labels(model)
+            for choice in stats.choices:
+                observe_many(itl, choice.itls)
+            if stats.cached_tokens is not None:
+                m.cached_tokens.labels(model).observe(stats.cached_tokens)
+        if self._on_finish is not None:
+            self._on_finish(self)
