@@ -63,6 +63,7 @@ async def test_pytorch_worker_process(
     )
     client = await runtime.client(EndpointId("dynamo", "backend", "generate"))
     await client.wait_for_instances(1, timeout=60)
+    (iid,) = client.instance_ids()
     prompt = list(range(10, 60))
     body = _enc.encode(
         PreprocessedRequest(
@@ -72,7 +73,7 @@ async def test_pytorch_worker_process(
             stop=StopConditions(max_tokens=8, ignore_eos=True),
         )
     )
-    outs = [_dec.decode(raw) async for raw in client.stream(body, Context())]
+    outs = [_dec.decode(raw) async for raw in client.stream(body, Context(), instance_id=iid)]
     assert [t for o in outs for t in o.token_ids] == hf_greedy(model, prompt, 8)
     assert outs[-1].finish_reason is FinishReason.LENGTH
     line = proc.wait_for("status server listening on")
