@@ -94,11 +94,16 @@ def test_prefill_on_the_prefill_worker_and_its_death_fails_cleanly() -> None:
         )
         stack.frontend("--router-mode", "kv")
         wait_http(stack.port, "/v1/models")
+        tries = iter(range(1000))  # a fresh prompt each try: no decode-side prefix hit
         wait_for(
-            lambda: chat(stack.port, long_prompt("warm"))[0] == 200
-            and metric_sum(p_port, "dynamo_component_disagg_handoffs_total") == 1,
+            lambda: (
+                chat(stack.port, long_prompt(f"warm{next(tries)}"))[0] == 200
+                and metric_sum(p_port, "dynamo_component_disagg_handoffs_total") == 1
+            ),
             "a long prompt prefilled on the prefill worker",
         )
+        base = metric_sum(d_port, "dynamo_component_disagg_handoffs_total")
+        assert base == 1
         for i in range(2):
             status, body = chat(stack.port, long_prompt(f"long{i}"))
             assert status == 200, body
@@ -123,7 +128,11 @@ def test_prefill_on_the_prefill_worker_and_its_death_fails_cleanly() -> None:
         assert status >= 500 and "error" in body, body
         assert blocks_in_use(d_port) == 0
         # Once its lease is gone, long prompts are prefilled on the decode worker.
-        wait_for(lambda: chat(stack.port, long_prompt("after"))[0] == 200, "local prefill")
+        tries = iter(range(1000))
+        wait_for(
+            lambda: chat(stack.port, long_prompt(f"after{next(tries)}"))[0] == 200,
+            "a long prompt prefilled on the decode worker",
+        )
         assert blocks_in_use(d_port) == 0
     finally:
         stack.close()
@@ -141,10 +150,12 @@ def test_dynamo_serve_runs_a_disaggregated_stack() -> None:
         child.wait_for("1 prefill + 1 decode mocker workers")
         wait_http(port, "/v1/models")
         wait_for(
-            lambda: chat(port, long_prompt("serve"))[0] == 200
-            and any(
-                "disagg_prefills_total" in line and 'placement="remote"' in line
-                for line in request(port, "GET", "/metrics")[2].decode().splitlines()
+            lambda: (
+                chat(port, long_prompt(f"serve{time.monotonic()}"))[0] == 200
+                and any(
+                    "disagg_prefills_total" in line and 'placement="remote"' in line
+                    for line in request(port, "GET", "/metrics")[2].decode().splitlines()
+                )
             ),
             "a remote prefill through dynamo serve",
         )
