@@ -153,3 +153,69 @@ async def test_streamed_disagg_request_has_one_first_token_and_usage(stack: Stac
         lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
     assert '"completion_tokens":5' in lines[-1]
     assert handoffs(stack.workers[0]) == 1
+
+
+async def test_block_accounting_returns_to_zero_after_500_requests_with_cancellations(
+    stack: Stack,
+) -> None:
+    """Remote and local prefills, some streams dropped by the client mid-way, some stopped by
+    a disconnect before the first token: afterwards no block is held on either worker and no
+    load is left in either router."""
+    speed = ("--speedup-ratio", "50", "--block-size", "16", "--num-gpu-blocks-override", "4096")
+    await stack.add_worker(*speed, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*speed, "--disaggregation-mode", "decode")
+    await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model()
+    assert stack.frontend is not None and stack.client is not None
+    client = stack.client
+    gate = asyncio.Semaphore(24)
+    outcomes: dict[str, int] = {"done": 0, "dropped": 0, "early": 0}
+
+    async def one(i: int) -> None:
+        text = long_prompt(f"r{i}", 300) if i % 3 == 0 else f"question number {i} please"
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with gate:
+            if i % 7 == 0:  # gone before the first token (during a remote prefill, often)
+                try:
+                    async with asyncio.timeout(0.002):
+                        await client.post("/v1/chat/completions", json=body)
+                except TimeoutError:
+                    outcomes["early"] += 1
+                    return
+                outcomes["done"] += 1
+                return
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = 0
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if i % 5 == 0 and chunks == 3:
+                        outcomes["dropped"] += 1
+                        return  # the client walks away mid-stream
+            outcomes["done"] += 1
+
+    await asyncio.gather(*(one(i) for i in range(500)))
+    assert outcomes["dropped"] > 50 and outcomes["done"] > 250, outcomes
+    async with asyncio.timeout(10):
+        while True:
+            held = [
+                r.kv_used_blocks
+                for w in stack.workers
+                for e in w.engines
+                for r in e.metrics_snapshot()
+            ]
+            routers = stack.frontend.registry.live_routers()
+            loads = sum(len(r.sequences) for r in routers)  # type: ignore[attr-defined]
+            if held == [0, 0] and loads == 0:
+                break
+            await asyncio.sleep(0.05)
+    for w in stack.workers:
+        for e in w.engines:
+            e.check_invariants()  # type: ignore[attr-defined]
+    assert handoffs(stack.workers[0]) > 50
