@@ -7,8 +7,10 @@ import argparse
 import sys
 
 from dynamo.backend.kv_publisher import KVPublisher
+from dynamo.backend.kv_transfer import KVTransferAgent
 from dynamo.backend.run import configure_logging, run_async
 from dynamo.backend.worker import Worker, WorkerConfig
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import ConstraintFactory, TorchEngine
 from dynamo.pytorch.metrics import EngineCollector
@@ -58,12 +60,24 @@ def build_worker(
     (guided decoding) makes the engine honour ``sampling.guided_decoding``."""
     runtime = DistributedRuntime(runtime_config, hub)
     publisher = KVPublisher(runtime)
+    transfer: KVTransferAgent | None = None
+    if config.role is not WorkerRole.AGGREGATED:
+        # prefill workers serve their blocks; decode workers pull (and serve nothing)
+        transfer = KVTransferAgent(
+            runtime,
+            None,
+            host=config.kv_transfer_host,
+            port=config.kv_transfer_port,
+        )
     engine = TorchEngine(
         config,
         kv_event_sink=publisher.publish_kv,
         load_sink=publisher.publish_load,
         constraint_factory=constraint_factory,
+        transfer=transfer,
     )
+    if transfer is not None and config.role is WorkerRole.PREFILL:
+        transfer.serve(engine.export_for_peer)
     endpoint = EndpointId.parse(config.endpoint_for(runtime_config.namespace))
     if endpoint.namespace != runtime_config.namespace:
         raise ValueError("--endpoint must be in the runtime's --namespace")
@@ -77,6 +91,7 @@ def build_worker(
         install_signal_handlers=install_signal_handlers,
         system_host=system_host,
         system_port=system_port,
+        role=config.role,
     )
     worker = Worker([engine], worker_config, runtime=runtime, owns_runtime=True)
     worker.metrics_registry.register(EngineCollector(engine, worker.worker_ids[0]))

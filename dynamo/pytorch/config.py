@@ -8,8 +8,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.backend.disagg import role_component
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
+DISAGGREGATION_MODES = tuple(role.value for role in WorkerRole)
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 PREEMPTION_MODES = ("lifo", "fifo")
@@ -45,8 +48,15 @@ class TorchEngineConfig:
     preemption_mode: str = "lifo"
     context_length: int | None = None
     torch_threads: int | None = None
+    disaggregation_mode: str = "agg"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
 
     def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation mode must be one of {DISAGGREGATION_MODES}")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError("kv transfer port must be in [0, 65536)")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}")
         if self.dtype not in DTYPES:
@@ -65,8 +75,14 @@ class TorchEngineConfig:
     def served_model_name(self) -> str:
         return self.model_name or self.model_path
 
+    @property
+    def role(self) -> WorkerRole:
+        return WorkerRole(self.disaggregation_mode)
+
     def endpoint_for(self, namespace: str) -> str:
-        return self.endpoint or f"dyn://{namespace}.backend.generate"
+        """``--endpoint``, else ``dyn://{ns}.backend.generate`` (prefill workers:
+        ``dyn://{ns}.prefill.generate``)."""
+        return self.endpoint or f"dyn://{namespace}.{role_component(self.role)}.generate"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +145,26 @@ class TorchEngineConfig:
             default=d.context_length,
             type=int,
             help="max prompt + output tokens (default: the model's max_position_embeddings)",
+        )
+        add_flag(
+            g,
+            "--disaggregation-mode",
+            default=d.disaggregation_mode,
+            choices=DISAGGREGATION_MODES,
+            help="agg, prefill (run prompts, hand their KV off) or decode (resume from a handoff)",
+        )
+        add_flag(
+            g,
+            "--kv-transfer-host",
+            default=d.kv_transfer_host,
+            help="address of this worker's KV transfer agent (disaggregation)",
+        )
+        add_flag(
+            g,
+            "--kv-transfer-port",
+            default=d.kv_transfer_port,
+            type=int,
+            help="port of this worker's KV transfer agent (0: any free port)",
         )
         add_flag(
             g,

@@ -14,9 +14,13 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
+
 from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.backend.kv_transfer import ExportedBlocks, KVTransferAgent
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
+from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.model_card import EngineCapabilities
@@ -24,7 +28,7 @@ from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import GuidedDecodingOptions, PreprocessedRequest
 from dynamo.pytorch.collector import Collector
 from dynamo.pytorch.config import TorchEngineConfig
-from dynamo.pytorch.kv_cache import KVBlocks
+from dynamo.pytorch.kv_cache import KVBlocks, KVLayout
 from dynamo.pytorch.loader import LoadedModel, load_model
 from dynamo.pytorch.sampler import (
     MAX_TOP_LOGPROBS,
@@ -56,8 +60,12 @@ class TorchEngine(LLMEngine):
         kv_event_sink: KVEventSink | None = None,
         load_sink: LoadSink | None = None,
         constraint_factory: ConstraintFactory | None = None,
+        transfer: KVTransferAgent | None = None,
     ) -> None:
+        """``transfer``: the worker's KV transfer agent (disaggregation: a prefill engine serves
+        its blocks through it, a decode engine pulls the prompt's blocks with it)."""
         self.config = config
+        self.transfer = transfer
         self.kv_event_sink = kv_event_sink
         self.load_sink = load_sink
         self.constraint_factory = constraint_factory
@@ -87,6 +95,9 @@ class TorchEngine(LLMEngine):
         self._publisher = asyncio.create_task(self._publish_loop(), name="pytorch-publish")
         thread.start()
         s = loaded.settings
+        if self.transfer is not None:
+            layout = msgspec.to_builtins(loaded.cache.layout)
+            await self.transfer.start(worker_id, layout, s.num_gpu_blocks)
         return EngineConfig(
             model=self.config.model_path,
             served_model_name=self.config.served_model_name,
@@ -121,6 +132,8 @@ class TorchEngine(LLMEngine):
         thread, self._thread = self._thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)
+        if self.transfer is not None:
+            await self.transfer.close()
         publisher, self._publisher = self._publisher, None
         if publisher is not None:
             publisher.cancel()
@@ -135,7 +148,13 @@ class TorchEngine(LLMEngine):
         if self._closed or thread is None or loaded is None:
             raise EngineShutdown("the pytorch engine is not running")
         key = f"{ctx.id}#{next(self._keys)}"
+        handoff = request.prefill_result
+        if handoff is not None and self.config.disaggregation_mode == "decode":
+            await self._receive_prompt(request, handoff)
+            request = msgspec.structs.replace(request, prefill_result=None)
         seq, sampler = self._build(request, key, ctx.id)
+        if handoff is not None:  # report the prefill worker's prefix hit, not the transfer
+            seq.num_cached_tokens = handoff.num_cached_tokens
         col = Collector(logprobs=sampler.params.logprobs is not None)
         self._collectors[key] = col
         self._ctx_keys.setdefault(ctx.id, set()).add(key)
@@ -156,6 +175,8 @@ class TorchEngine(LLMEngine):
                 if col.terminal is not None:
                     out = col.take(col.terminal)
                     out.usage = _usage(seq, seq.num_output_tokens)
+                    if self.config.disaggregation_mode == "prefill":
+                        out.disaggregated_params = self._handoff(seq)
                     yield out
                     return
                 if col.has_tokens:
@@ -217,12 +238,71 @@ class TorchEngine(LLMEngine):
             if not keys:
                 del self._ctx_keys[ctx_id]
 
+    # -- disaggregation ----------------------------------------------------------------------------
+    def _handoff(self, seq: Sequence) -> DisaggregatedParams:
+        """What the decode worker needs: where the prompt's KV is, and which blocks."""
+        n_full = seq.num_prompt_tokens // seq.block_size
+        return DisaggregatedParams(
+            prefill_worker_id=self.worker_id or 0,
+            block_hashes=seq.block_hashes[:n_full],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    async def _receive_prompt(
+        self, request: PreprocessedRequest, handoff: DisaggregatedParams
+    ) -> None:
+        """Pull the prompt's blocks from the prefill worker into this engine's prefix cache (not
+        announced: routers index only what this worker computes). Runs on the event loop and
+        the network while the step thread keeps stepping other requests; then the request is
+        admitted as a local one whose prefix is cached. Blocks this engine already caches are
+        not pulled; a prefill worker that evicted some gives a shorter run (the rest is computed
+        here). A failed pull fails the request (``CannotConnect`` / ``StreamIncomplete``)."""
+        if self.transfer is None:
+            raise InvalidArgument("this decode worker has no KV transfer agent")
+        hashes = handoff.block_hashes
+        loaded = self._require_loaded()
+        peer_layout = (await self.transfer.peer(handoff.prefill_worker_id)).layout
+        start = 0  # another layout names its blocks differently: pull them all
+        if peer_layout == msgspec.to_builtins(loaded.cache.layout):
+            start = await self._call(lambda: self._scheduler().kv.num_cached_prefix(hashes))
+            if start >= len(hashes):
+                return  # a decode-side prefix hit covers the whole prompt
+        received = await self.transfer.pull(handoff.prefill_worker_id, hashes[start:])
+        if not received.block_hashes:
+            return
+        layout = msgspec.convert(received.layout, KVLayout)
+        blocks = KVBlocks(
+            layout=layout,
+            block_hashes=received.block_hashes,
+            local_hashes=received.local_hashes,
+            data=received.data,
+        )
+        tokens = request.token_ids
+
+        def store() -> int:
+            # Should the cached lead be evicted meanwhile, the prefix lookup stops there and the
+            # request computes the rest: correct either way.
+            return loaded.import_blocks(self._scheduler(), blocks, announce=False, token_ids=tokens)
+
+        await self._call(store)
+
     # -- KV export / import (disaggregation) ---------------------------------------------------
     async def export_kv(self, block_hashes: list[int]) -> KVBlocks:
         """The K/V of the leading cached blocks of ``block_hashes`` (stops at the first block
         not cached: the result may be shorter)."""
         loaded = self._require_loaded()
         return await self._call(lambda: loaded.export_blocks(self._scheduler(), block_hashes))
+
+    async def export_for_peer(self, block_hashes: list[int]) -> ExportedBlocks:
+        """The transfer agent's export: the leading cached run of ``block_hashes``."""
+        blocks = await self.export_kv(block_hashes)
+        return ExportedBlocks(
+            layout=msgspec.to_builtins(blocks.layout),
+            block_hashes=blocks.block_hashes,
+            local_hashes=blocks.local_hashes,
+            data=blocks.data,
+        )
 
     async def import_kv(self, blocks: KVBlocks) -> int:
         """Store exported blocks in this engine's prefix cache (announced with KV events, as

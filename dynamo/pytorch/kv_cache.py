@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from dynamo.router.hashing import local_block_hashes, sequence_hashes
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,12 +66,19 @@ class KVCache:
         return cls(layout, num_blocks, pools)
 
     def export_slots(self, slots: list[int]) -> bytes:
-        """The K/V bytes of ``slots``, in the module docstring's order."""
-        index = torch.tensor(slots, dtype=torch.int64, device=self.pools[0][0].device)
-        # [kv_heads, n, block_size, head_dim] -> block-major [n, block_size, kv_heads, head_dim]
-        parts = [t.index_select(1, index).permute(1, 2, 0, 3) for pair in self.pools for t in pair]
-        flat = torch.cat([p.reshape(-1) for p in parts]).cpu().view(torch.uint8).clone()
-        return bytes(flat.untyped_storage())  # a fresh tensor: its storage is exactly it
+        """The K/V bytes of ``slots``, in the module docstring's order. Runs of consecutive slots
+        are copied as one slice each (one large copy instead of one gather per block)."""
+        runs = contiguous_runs(slots)
+        parts: list[torch.Tensor] = []
+        for pair in self.pools:
+            for t in pair:
+                # [kv_heads, n, block_size, head_dim] -> block-major [n, block_size, heads, dim]
+                pieces = [t.narrow(1, start, length) for start, length in runs]
+                picked = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+                parts.append(picked.permute(1, 2, 0, 3).reshape(-1))
+        # bytes(storage) walks it element by element (seconds per MiB); numpy copies at memcpy
+        # speed (bfloat16 has no numpy dtype: the uint8 view does)
+        return torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes()
 
     def import_slots(self, slots: list[int], data: bytes) -> None:
         """Write bytes from ``export_slots`` (same layout) into ``slots``."""
@@ -87,6 +96,45 @@ class KVCache:
         for i, t in enumerate(t for pair in self.pools for t in pair):
             blocks = flat[i * chunk : (i + 1) * chunk].view(shape).permute(2, 0, 1, 3)
             t.index_copy_(1, index, blocks)
+
+
+def contiguous_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``slots`` as (start, length) runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
+
+
+def convert_blocks(blocks: KVBlocks, layout: KVLayout, token_ids: list[int]) -> KVBlocks:
+    """``blocks`` re-laid for an engine of ``layout`` (the same model: layers, KV heads and head
+    size agree; block size and dtype may differ). The exported bytes are token-major within
+    each (layer, K/V) section, so another block size only regroups the same tokens: the result
+    holds the whole blocks of ``layout.block_size`` that the received tokens cover, named by
+    hashes of ``token_ids`` (the prompt those blocks hold) at that block size."""
+    src = blocks.layout
+    if (src.num_layers, src.num_kv_heads, src.head_dim) != (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+    ):
+        raise ValueError(f"KV layout {src} cannot be converted to {layout} (another model?)")
+    tokens = len(blocks.block_hashes) * src.block_size
+    if tokens > len(token_ids):
+        raise ValueError("the received KV covers more tokens than the prompt has")
+    n = tokens // layout.block_size
+    per_token = src.num_kv_heads * src.head_dim
+    flat = torch.frombuffer(bytearray(blocks.data), dtype=torch.uint8).view(_DTYPES[src.dtype])
+    sections = flat.view(2 * src.num_layers, tokens * per_token)
+    kept = sections[:, : n * layout.block_size * per_token].to(_DTYPES[layout.dtype])
+    data = kept.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    local = local_block_hashes(token_ids[: n * layout.block_size], layout.block_size)
+    return KVBlocks(
+        layout=layout, block_hashes=sequence_hashes(local), local_hashes=local, data=data
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

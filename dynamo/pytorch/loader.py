@@ -9,7 +9,14 @@ import torch
 
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.pytorch.config import SchedulerSettings, TorchEngineConfig
-from dynamo.pytorch.kv_cache import KVBlocks, KVCache, KVLayout, blocks_for_memory, dtype_name
+from dynamo.pytorch.kv_cache import (
+    KVBlocks,
+    KVCache,
+    KVLayout,
+    blocks_for_memory,
+    convert_blocks,
+    dtype_name,
+)
 from dynamo.pytorch.model import CausalLM, load_weights
 from dynamo.pytorch.model_config import ModelConfig
 from dynamo.pytorch.runner import ModelRunner
@@ -36,11 +43,30 @@ class LoadedModel:
             layout=self.cache.layout, block_hashes=hashes, local_hashes=locals_, data=data
         )
 
-    def import_blocks(self, scheduler: Scheduler, blocks: KVBlocks) -> int:
+    def import_blocks(
+        self,
+        scheduler: Scheduler,
+        blocks: KVBlocks,
+        *,
+        announce: bool = True,
+        token_ids: list[int] | None = None,
+    ) -> int:
         """Step thread only: store ``blocks`` as cached (inactive) blocks; the new ones are
-        announced with a Stored event. Returns how many were new."""
+        announced with a Stored event unless ``announce`` is False (a decode worker's received
+        prompt). Returns how many were new.
+
+        Blocks in another layout (another block size or dtype, same model) are re-blocked into
+        this engine's layout first; that needs the ``token_ids`` they hold (their hashes depend
+        on the block size). ``InvalidArgument`` on a layout that cannot be converted or no room."""
         if blocks.layout != self.cache.layout:
-            raise InvalidArgument(f"KV layout {blocks.layout} != this engine's {self.cache.layout}")
+            if token_ids is None:
+                raise InvalidArgument(
+                    f"KV layout {blocks.layout} != this engine's {self.cache.layout}"
+                )
+            try:
+                blocks = convert_blocks(blocks, self.cache.layout, token_ids)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         kv = scheduler.kv
         hashes = blocks.block_hashes
         if not kv.enable_prefix_caching:
@@ -50,7 +76,7 @@ class LoadedModel:
         if kv.num_slots_needed(hashes, 0) > kv.num_available_blocks:
             raise InvalidArgument("no room in the KV pool for the imported blocks")
         new = [i for i, h in enumerate(hashes) if not kv.is_cached(h)]
-        kv.use(hashes, blocks.local_hashes)
+        kv.use(hashes, blocks.local_hashes, announce=announce)
         try:
             self.cache.import_slots([kv.slot_of(h) for h in hashes], blocks.data)
         finally:
@@ -96,5 +122,6 @@ def load_model(config: TorchEngineConfig) -> LoadedModel:
         enable_chunked_prefill=config.enable_chunked_prefill,
         preemption_mode=config.preemption_mode,
         max_model_len=max_len,
+        disaggregation_mode=config.disaggregation_mode,
     )
     return LoadedModel(model, cache, ModelRunner(model, cache, config.block_size), settings)

@@ -60,3 +60,19 @@ class EngineCollector(Collector):
         yield counter("engine_output_tokens", "tokens generated", stats.num_output_tokens)
         yield counter("engine_preemptions", "requests preempted", stats.num_preemptions)
         yield gauge("engine_max_batch_requests", "largest batch so far", stats.max_batch_requests)
+        transfer = self._engine.transfer
+        if transfer is not None:  # disaggregation (names as the mocker's, DISAGG_COUNTERS)
+            t = transfer.stats
+            handoffs = (
+                t.pulls_served if self._engine.config.disaggregation_mode == "prefill" else t.pulls
+            )
+            yield counter("disagg_handoffs", "remote prefills handed off or received", handoffs)
+            yield counter(
+                "kv_transfer_bytes", "KV bytes received from prefill workers", t.bytes_received
+            )
+            yield counter(
+                "kv_transfer_seconds",
+                "seconds receiving KV from prefill workers",
+                t.seconds_receiving,
+            )
+            yield counter("kv_transfer_bytes_sent", "KV bytes sent to decode workers", t.bytes_sent)

@@ -343,3 +343,36 @@ async def test_prompt_logprobs_cover_the_whole_prompt_even_when_cached(tiny_llam
         assert eng.capabilities.prompt_logprobs
     finally:
         await eng.cleanup()
+
+
+def test_blocks_convert_to_another_block_size() -> None:
+    """A prefill worker's blocks of 32 tokens re-laid as 16-token blocks: the same K/V per
+    token, named by the 16-token hashes of the prompt."""
+    from dynamo.pytorch.kv_cache import KVCache, KVLayout, contiguous_runs, convert_blocks
+    from dynamo.router.hashing import sequence_hashes
+
+    assert contiguous_runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
+    big = KVLayout(num_layers=2, block_size=32, num_kv_heads=2, head_dim=4, dtype="float32")
+    small = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=4, dtype="float32")
+    src = KVCache.allocate(big, 8, torch.device("cpu"))
+    dst = KVCache.allocate(small, 16, torch.device("cpu"))
+    for k, v in src.pools:
+        k.normal_()
+        v.normal_()
+    tokens = list(range(100, 180))  # 80 tokens: two 32-token blocks (64 tokens) received
+    from dynamo.pytorch.kv_cache import KVBlocks
+
+    received = KVBlocks(
+        layout=big, block_hashes=[1, 2], local_hashes=[1, 2], data=src.export_slots([5, 6])
+    )
+    blocks = convert_blocks(received, small, tokens)
+    local = local_block_hashes(tokens[:64], 16)
+    assert blocks.block_hashes == sequence_hashes(local) and len(local) == 4
+    dst.import_slots([0, 1, 2, 3], blocks.data)
+    for (sk, sv), (dk, dv) in zip(src.pools, dst.pools, strict=True):
+        for s, d in ((sk, dk), (sv, dv)):
+            want = s[:, 5:7].reshape(2, 64, 4)  # [heads, tokens, dim]
+            assert torch.equal(d[:, 0:4].reshape(2, 64, 4), want)
+    other = KVLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float32")
+    with pytest.raises(ValueError, match="cannot be converted"):
+        convert_blocks(received, other, tokens)
