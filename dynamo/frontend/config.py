@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from dynamo.frontend.disagg import DisaggSettings
 from dynamo.router.config import KVRouterSettings
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.http_limits import HttpLimits
@@ -31,6 +32,7 @@ class FrontendConfig:
     limits: HttpLimits = field(default_factory=HttpLimits)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -146,6 +148,7 @@ class FrontendConfig:
         HttpLimits.add_arguments(parser)
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
+        DisaggSettings.add_arguments(parser)
         return parser
 
     @classmethod
@@ -168,4 +171,5 @@ class FrontendConfig:
             limits=HttpLimits.from_args(args),
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),
+            disagg=DisaggSettings.from_args(args),
         )
