@@ -12,6 +12,7 @@ COMMANDS = {
     "slot-tracker": "dynamo.slot_tracker.__main__",
     "bench": "dynamo.bench.__main__",
     "replay": "dynamo.replay.__main__",
+    "plan": "dynamo.replay.plan",
 }
 
 SUMMARY = {
@@ -21,6 +22,7 @@ SUMMARY = {
     "slot-tracker": "the slot tracker HTTP service",
     "bench": "the load generator",
     "replay": "simulate a deployment offline on a virtual clock",
+    "plan": "cheapest deployments meeting a latency SLO (sweeps replays)",
 }
 
 USAGE = (

@@ -6,7 +6,8 @@
 
 Flags: ``dynamo bench``'s workload and load flags (unchanged), ``dynamo serve``'s deployment
 flags (``--workers``, ``--router-mode``, the KV router's flags), the mocker's engine flags, plus
-``--prefill-workers`` (disaggregated xPyD). Writes ``dynamo bench``'s report to
+``--prefill-workers``/``--decode-workers`` (disaggregated xPyD, with the frontend's
+conditional-disaggregation flags). Writes ``dynamo bench``'s report to
 ``--output-dir`` (and ``routing.jsonl`` with ``--routing-records``).
 
 Exit status: 0 done, 2 bad input (a one-line message on stderr).
@@ -24,6 +25,7 @@ from dynamo.bench.config import BenchConfig
 from dynamo.bench.report import format_summary
 from dynamo.bench.trace import TraceError
 from dynamo.frontend.config import ROUTER_MODES
+from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.run import ReplayResult, run_replay
@@ -46,12 +48,20 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(
         g,
+        "--decode-workers",
+        default=0,
+        type=int,
+        help="disaggregated: decode workers (default --workers)",
+    )
+    add_flag(
+        g,
         "--router-mode",
         default="round-robin",
         choices=ROUTER_MODES,
         help="how the frontend picks a worker",
     )
     KVRouterSettings.add_arguments(parser)
+    DisaggSettings.add_arguments(parser)
     MockerConfig.add_arguments(parser)
 
 
@@ -100,9 +110,11 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 def deployment(args: argparse.Namespace) -> Deployment:
     """The simulated deployment from the flags (ValueError for bad values)."""
+    decode = args.decode_workers if args.prefill_workers > 0 and args.decode_workers else None
     return Deployment(
-        workers=args.workers,
+        workers=decode or args.workers,
         prefill_workers=args.prefill_workers,
+        disagg=DisaggSettings.from_args(args),
         router_mode=args.router_mode,
         kv=KVRouterSettings.from_args(args),
         engine=MockerConfig.from_args(args),

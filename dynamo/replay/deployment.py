@@ -3,8 +3,10 @@
 Workers are mocker engines (``MockerConfig``: blocks, block size, batch limits, speedup, DP
 ranks). Aggregated: ``workers`` engines behind one router. Disaggregated (``prefill_workers`` >
 0, xPyD): ``prefill_workers`` prefill engines and ``workers`` decode engines, each pool behind
-its own router (FACTS §9.1: the prefill router picks a prefill worker, the prompt runs there with
-``max_tokens`` 1, its KV moves to the decode worker the decode router picks).
+its own router with the live frontend's per-role flags, dispatched as the frontend does (route
+mode, FACTS §9.1): the decode router picks a decode worker, ``disagg``'s conditional rule decides
+on a remote prefill, the prefill router picks a prefill worker, the prompt runs there with
+``max_tokens`` 1, and its KV moves to the decode worker, which produces every output token.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.router.config import KVRouterSettings
 
@@ -31,6 +34,7 @@ class Deployment:
     engine: MockerConfig = field(default_factory=MockerConfig)
     prefill_workers: int = 0
     prefill_engine: MockerConfig | None = None
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
 
     def __post_init__(self) -> None:
         if self.workers < 1:

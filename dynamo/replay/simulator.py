@@ -25,7 +25,6 @@ dependence on wall-clock time or hash ordering.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import random
@@ -37,15 +36,16 @@ from dataclasses import dataclass, field
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
+from dynamo.frontend.app import role_settings
+from dynamo.frontend.disagg import prefill_remotely
 from dynamo.frontend.errors import to_http
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.simulator import MockerScheduler, StepOutput
 from dynamo.protocol.disagg import DisaggregatedParams
-from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints, StopConditions
 from dynamo.replay.deployment import Deployment
 from dynamo.router.basic import RandomRouter, RoundRobinRouter
-from dynamo.router.config import KVRouterSettings
 from dynamo.router.core import RoutingCore, WorkerSpec
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.runtime.errors import DynamoError
@@ -99,8 +99,7 @@ class Flight:
     tokens: list[int]
     routing: RoutingRecord | None = None
     last_token_at: float = 0.0
-    output_ids: list[int] | None = None
-    prefill_done: bool = False
+    decode_rank: _Rank | None = None  # disaggregated: where the decode runs after the prefill
 
 
 @dataclass(slots=True, eq=False)
@@ -170,6 +169,7 @@ class Simulation:
         self._issued = 0
         self._stopped = False  # the budget ran out: no new sessions
         self._in_flight = 0
+        self._remote_prefills = 0  # disaggregated: prefills in flight on prefill workers
         self._queued: deque[tuple[RequestSpec, _Runner]] = deque()
         seed = load.seed
         self._decode = self._pool(
@@ -197,10 +197,8 @@ class Simulation:
         basic: RoundRobinRouter | RandomRouter | None = None
         if dep.router_mode == "kv":
             kv = dep.kv
-            if role == "decode" and dep.disaggregated:
-                # FACTS §4.6: the decode router does not count prefill work (the prefill pool
-                # does it) and does not assume transferred blocks are shared.
-                kv = _replace_kv(kv)
+            if dep.disaggregated:  # each pool's router flags, as the live frontend sets them
+                kv = role_settings(kv, WorkerRole(role))
             core = RoutingCore(
                 config.block_size, kv, rng=random.Random(seed ^ 0x5EC7), clock=self._clock
             )
@@ -373,19 +371,32 @@ class Simulation:
         self._by_id[flight.request_id] = flight
         self._in_flight += 1
         local = local_block_hashes(prompt, self._hash_size)
-        seqs = sequence_hashes(local)
-        pool = self._prefill if self._prefill is not None else self._decode
+        hashes = (local, sequence_hashes(local))
         try:
-            rank, chosen = self._route(pool, flight, local, seqs)
+            rank, chosen = self._route(self._decode, flight, *hashes)
             flight.routing = chosen
-            if self._prefill is not None:
-                chosen.prefill_worker_id, chosen.prefill_dp_rank = chosen.worker_id, chosen.dp_rank
-                chosen.prefill_overlap_blocks = chosen.overlap_blocks
-            seq = self._sequence(rank, flight, (local, seqs), prefill=self._prefill is not None)
+            if self._remote(flight, chosen):
+                assert self._prefill is not None
+                flight.decode_rank = rank
+                rank, pre = self._route(self._prefill, flight, *hashes)
+                chosen.prefill_worker_id, chosen.prefill_dp_rank = pre.worker_id, pre.dp_rank
+                chosen.prefill_overlap_blocks = pre.overlap_blocks
+                self._remote_prefills += 1
+            seq = self._sequence(rank, flight, hashes)
         except DynamoError as exc:
             self._fail(flight, exc)
             return
         self._enqueue(rank, seq)
+
+    def _remote(self, flight: Flight, decode: RoutingRecord) -> bool:
+        """Disaggregated: whether the prompt is prefilled on a prefill worker (the frontend's
+        conditional-disaggregation rule, on the decode worker's reported prefix)."""
+        prefill = self._prefill
+        if prefill is None:
+            return False
+        cached = decode.overlap_blocks * self._hash_size
+        queue = max(0, self._remote_prefills - len(prefill.cards))
+        return prefill_remotely(self.deployment.disagg, len(flight.tokens), cached, queue)
 
     def _route(
         self, pool: _Pool, flight: Flight, local: list[int], seqs: list[int]
@@ -414,7 +425,6 @@ class Simulation:
         flight: Flight,
         hashes: tuple[list[int], list[int]],
         *,
-        prefill: bool = False,
         handoff: DisaggregatedParams | None = None,
     ) -> Sequence:
         request = PreprocessedRequest(
@@ -509,26 +519,21 @@ class Simulation:
             rank.state = _IDLE
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: _Rank) -> None:
-        """Disaggregation: the prompt's KV is ready on the prefill worker; the decode router
-        picks a decode worker, which receives the KV (transfer time) and decodes."""
-        flight.record.cached_tokens = seq.num_cached_tokens or 0
+        """Disaggregation: the prompt's KV is ready on the prefill worker; it moves to the
+        decode worker chosen at dispatch (transfer time), which decodes."""
+        self._remote_prefills -= 1
+        rank = flight.decode_rank
+        assert rank is not None
+        n_full = seq.num_prompt_tokens // seq.block_size
         handoff = DisaggregatedParams(
             prefill_worker_id=prefill_rank.worker_id,
             prefill_dp_rank=prefill_rank.dp_rank,
-            block_hashes=list(seq.block_hashes[: seq.num_prompt_tokens // seq.block_size]),
+            block_hashes=seq.block_hashes[:n_full],
             num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
-        local = seq.local_hashes[: seq.num_prompt_tokens // seq.block_size]
-        seqs = seq.block_hashes[: len(local)]
-        hashes = (list(local), list(seqs))
-        prefill_routing = flight.routing
+        hashes = (seq.local_hashes[:n_full], seq.block_hashes[:n_full])
         try:
-            rank, chosen = self._route(self._decode, flight, hashes[0], hashes[1])
-            if prefill_routing is not None:
-                chosen.prefill_worker_id = prefill_routing.prefill_worker_id
-                chosen.prefill_dp_rank = prefill_routing.prefill_dp_rank
-                chosen.prefill_overlap_blocks = prefill_routing.prefill_overlap_blocks
-            flight.routing = chosen
             dseq = self._sequence(rank, flight, hashes, handoff=handoff)
         except DynamoError as exc:
             self._fail(flight, exc)
@@ -553,7 +558,3 @@ def _finish(seq: Sequence) -> str:
     reason = seq.finish_reason
     assert reason is not None
     return str(reason.value)
-
-
-def _replace_kv(kv: KVRouterSettings) -> KVRouterSettings:
-    return dataclasses.replace(kv, track_prefill_tokens=False, assume_kv_reuse=False)

@@ -80,3 +80,16 @@ def test_disaggregated_ttft(
     assert record.ok and record.ttft is not None
     assert record.ttft * 1000 == pytest.approx(ttft_ms, abs=1e-3)
     assert record.output_tokens == 4
+
+
+def test_conditional_disaggregation_keeps_short_prompts_local() -> None:
+    """The frontend's rule: a prompt whose uncached part is at most max_local_prefill_length
+    (1000) prefills on its decode worker; a longer one goes to a prefill worker."""
+    engine = MockerConfig(num_gpu_blocks=1024, block_size=16)
+    deployment = Deployment(workers=1, prefill_workers=1, router_mode="kv", engine=engine)
+    for isl, remote in ((512, False), (1024, True)):
+        bench = BenchConfig(url="replay:", workload="synthetic", isl=isl, osl=2, num_requests=1)
+        (flight,) = run_replay(bench, deployment).flights
+        assert flight.record.ok and flight.routing is not None
+        assert (flight.routing.prefill_worker_id is not None) is remote
+        assert flight.routing.worker_id == 0x1000  # the decode worker produces the tokens
