@@ -42,12 +42,15 @@ PLAN_FILE = "plan.json"
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    """Latency targets: a percentile of TTFT and of ITL (ms); None: not constrained."""
+    """Latency targets: a percentile of TTFT and of ITL (ms); None: not constrained.
+    ``headroom`` (a fraction) is kept free for what the replay does not model (the frontend,
+    the transport, a busy host): a replay meets the SLO at ``target * (1 - headroom)``."""
 
     ttft_ms: float | None = None
     itl_ms: float | None = None
     ttft_percentile: str = "p90"
     itl_percentile: str = "p90"
+    headroom: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (self.ttft_percentile, self.itl_percentile):
@@ -56,6 +59,14 @@ class SLO:
         for value in (self.ttft_ms, self.itl_ms):
             if value is not None and not value > 0:
                 raise ValueError("SLO targets must be > 0 ms")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError("--slo-headroom must be in [0, 1)")
+
+    def meets(self, ttft_ms: float | None, itl_ms: float | None) -> bool:
+        keep = 1.0 - self.headroom
+        if self.ttft_ms is not None and (ttft_ms is None or ttft_ms > self.ttft_ms * keep):
+            return False
+        return self.itl_ms is None or itl_ms is None or itl_ms <= self.itl_ms * keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +181,7 @@ def plan(
         ttft = summary["ttft_ms"][slo.ttft_percentile]
         itl = summary["itl_ms"][slo.itl_percentile]
         failed = int(summary["requests"]["failed"])
-        meets = (
-            failed == 0
-            and (slo.ttft_ms is None or (ttft is not None and ttft <= slo.ttft_ms))
-            and (slo.itl_ms is None or (itl is None or itl <= slo.itl_ms))
-        )
+        meets = failed == 0 and slo.meets(ttft, itl)
         outcome = Outcome(
             deployment, ttft, itl, float(summary["request_throughput_rps"]), failed, meets
         )
@@ -247,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(s, "--slo-ttft-percentile", default="p90", choices=PERCENTILES, help="of TTFT")
     add_flag(s, "--slo-itl-ms", default=None, type=float, help="ITL target (ms)")
     add_flag(s, "--slo-itl-percentile", default="p90", choices=PERCENTILES, help="of ITL")
+    add_flag(
+        s,
+        "--slo-headroom",
+        default=0.0,
+        type=float,
+        help="fraction of each target kept free for what the replay does not model",
+    )
     w = p.add_argument_group("sweep")
     add_flag(w, "--sweep-workers", default=(1, 2, 4), type=_list(int), help="worker counts")
     add_flag(
@@ -291,7 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         slo = SLO(
-            args.slo_ttft_ms, args.slo_itl_ms, args.slo_ttft_percentile, args.slo_itl_percentile
+            args.slo_ttft_ms,
+            args.slo_itl_ms,
+            args.slo_ttft_percentile,
+            args.slo_itl_percentile,
+            args.slo_headroom,
         )
         if slo.ttft_ms is None and slo.itl_ms is None:
             raise ValueError("give an SLO: --slo-ttft-ms and/or --slo-itl-ms")

@@ -47,6 +47,13 @@ def test_cheapest_configuration_meeting_the_slo(tmp_path: Path) -> None:
     assert saved["best"]["cost_engines"] == tight.best.cost and len(saved["outcomes"]) == 6
 
 
+def test_headroom_tightens_the_targets() -> None:
+    slo = SLO(ttft_ms=100.0, itl_ms=20.0, headroom=0.25)
+    assert slo.meets(75.0, 15.0) and not slo.meets(76.0, 15.0) and not slo.meets(75.0, 16.0)
+    with pytest.raises(ValueError):
+        SLO(ttft_ms=1.0, headroom=1.0)
+
+
 def test_impossible_slo_has_no_best() -> None:
     result = plan(BENCH, BASE, SLO(ttft_ms=0.001), Sweep(workers=(1,)))
     assert result.best is None and not result.feasible
