@@ -273,6 +273,10 @@ class Simulation:
             else:
                 assert isinstance(payload, _Runner)
                 self._advance(payload)
+        for flight in self._by_id.values():  # nothing left to run them: never completes
+            flight.record.end = self.now
+            flight.record.error = "incomplete"
+            flight.record.error_message = "the simulation ended with the request unfinished"
         ranks = [*self._decode.ranks.values()]
         if self._prefill is not None:
             ranks += self._prefill.ranks.values()
