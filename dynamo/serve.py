@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_processes(serve_plan)
 
 
+def _describe_workers(roles: tuple[str, ...], engine: str) -> str:
+    prefill, decode = roles.count("prefill"), roles.count("decode")
+    if decode:
+        return f"{prefill} prefill + {decode} decode {engine} workers"
+    return f"{len(roles)} {engine} workers"
+
+
 def _free_port(host: str) -> int:
     """A port that is free now (``--http-port 0``), so the banner can show the real one."""
     import socket
@@ -89,15 +96,15 @@ def _serve_processes(serve_plan: ServePlan) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for _ in range(args.workers):
-            cmd = [py, "-m", serve_plan.worker_module, *serve_plan.worker_argv]
+        for role in serve_plan.roles:
+            cmd = [py, "-m", serve_plan.worker_module, *serve_plan.worker_argv(role)]
             children.append(subprocess.Popen(cmd, env=env))
         frontend_cmd = [py, "-m", "dynamo.frontend", *frontend_argv]
         children.append(subprocess.Popen(frontend_cmd, env=env))
         print(
             f"dynamo serve: model {args.model_name!r} at"
             f" http://{_shown_host(args.http_host)}:{args.http_port}"
-            f" ({args.workers} {args.engine} workers, router {args.router_mode})",
+            f" ({_describe_workers(serve_plan.roles, args.engine)}, router {args.router_mode})",
             flush=True,
         )
         print(

@@ -5,9 +5,9 @@ the process it goes to, all validated before anything starts.
 first, because the worker flags are that engine's. The frontend's and the engine's flags are taken
 from their own parsers (so a flag added there appears here with its help and ``DYN_*`` twin),
 minus the ones ``dynamo serve`` decides itself (the runtime group: namespace, discovery, planes;
-and the flags it sets from its own: HTTP address, router mode, model). A flag both processes know
-(``--log-level``) goes to both. An unknown flag is an error, as is a value either process's
-config refuses (checked here by building the configs).
+and the flags it sets from its own: HTTP address, router mode, model, role). A flag both
+processes know (``--log-level``) goes to both. An unknown flag is an error, as is a value either
+process's config refuses (checked here by building the configs).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ DEMO_MODEL_NAME = "demo"
 
 # Flags ``dynamo serve`` owns: a child's flag of the same name is set from serve's value.
 _FRONTEND_FROM_SERVE = ("--http-host", "--http-port", "--router-mode")
-_WORKER_FROM_SERVE = ("--model-path", "--model-name")
+_WORKER_FROM_SERVE = ("--model-path", "--model-name", "--disaggregation-mode")
 ENGINES = ("mocker", "pytorch")
 """Worker engines, each served by ``python -m dynamo.<engine>``."""
 _RUNTIME_GROUP = "runtime"  # namespace, discovery and planes: serve wires those itself
@@ -50,14 +50,26 @@ class ServePlan:
 
     args: argparse.Namespace
     frontend_argv: list[str]
-    worker_argv: list[str]
+    engine_argv: list[str]
     frontend: FrontendConfig
-    worker: MockerConfig | TorchEngineConfig
+    engine_config: MockerConfig | TorchEngineConfig
+    roles: tuple[str, ...] = ("agg",)
 
     @property
     def worker_module(self) -> str:
         """What ``python -m`` runs for each worker."""
         return f"dynamo.{self.args.engine}"
+
+    def worker_argv(self, role: str) -> list[str]:
+        """The argv of one worker process of ``role`` (agg, prefill or decode)."""
+        if isinstance(self.engine_config, MockerConfig):
+            return [*self.engine_argv, f"--disaggregation-mode={role}"]
+        return list(self.engine_argv)  # aggregated only (checked by ``plan``)
+
+    def worker_config(self, role: str) -> MockerConfig | TorchEngineConfig:
+        if isinstance(self.engine_config, MockerConfig):
+            return dataclasses.replace(self.engine_config, disaggregation_mode=role)
+        return self.engine_config
 
 
 def _frontend_parser() -> argparse.ArgumentParser:
@@ -157,6 +169,24 @@ def build_parser(engine: str = "mocker") -> argparse.ArgumentParser:
     )
     add_flag(
         own,
+        "--prefill-workers",
+        default=0,
+        type=int,
+        env="DYN_SERVE_PREFILL_WORKERS",
+        help="disaggregated serving: prefill worker processes (with --decode-workers, which "
+        "then replace --workers)",
+    )
+    add_flag(
+        own,
+        "--decode-workers",
+        default=0,
+        type=int,
+        env="DYN_SERVE_DECODE_WORKERS",
+        help="disaggregated serving: decode worker processes (prefill locally without "
+        "--prefill-workers)",
+    )
+    add_flag(
+        own,
         "--router-mode",
         default="round-robin",
         choices=ROUTER_MODES,
@@ -250,6 +280,17 @@ def plan(argv: list[str] | None = None) -> ServePlan:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.prefill_workers < 0 or args.decode_workers < 0:
+        parser.error("--prefill-workers and --decode-workers must be >= 0")
+    if args.prefill_workers and not args.decode_workers:
+        parser.error("--prefill-workers needs --decode-workers (decode workers serve the model)")
+    if engine != "mocker" and args.decode_workers:
+        parser.error(f"--engine {engine} serves aggregated workers only (--workers)")
+    roles = (
+        ("prefill",) * args.prefill_workers + ("decode",) * args.decode_workers
+        if args.decode_workers
+        else ("agg",) * args.workers
+    )
     if args.model_path is None:
         if engine != "mocker":
             parser.error(f"--engine {engine} needs --model-path (a Hugging Face model directory)")
@@ -262,7 +303,7 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         f"--router-mode={args.router_mode}",
         *_forwarded(parser, args, FRONTEND),
     ]
-    worker_argv = [
+    engine_argv = [
         f"--model-path={args.model_path}",
         f"--model-name={args.model_name}",
         *_forwarded(parser, args, WORKERS),
@@ -270,16 +311,16 @@ def plan(argv: list[str] | None = None) -> ServePlan:
     try:
         fargs = _frontend_parser().parse_args(frontend_argv)
         frontend = FrontendConfig.from_args(fargs)
-        wargs = _worker_parser(engine).parse_args(worker_argv)
-        worker = _worker_config(engine, wargs)
+        wargs = _worker_parser(engine).parse_args(engine_argv)
+        engine_config = _worker_config(engine, wargs)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if wargs.system_port and args.workers > 1 and not args.in_process:
+    if wargs.system_port and len(roles) > 1 and not args.in_process:
         parser.error(
             f"--system-port {wargs.system_port} (or DYN_SYSTEM_PORT) would be the same port for"
-            f" all {args.workers} workers; use --system-port 0 (each picks a free port)"
+            f" all {len(roles)} workers; use --system-port 0 (each picks a free port)"
         )
     frontend = dataclasses.replace(
         frontend, runtime=dataclasses.replace(frontend.runtime, namespace=args.namespace)
     )
-    return ServePlan(args, frontend_argv, worker_argv, frontend, worker)
+    return ServePlan(args, frontend_argv, engine_argv, frontend, engine_config, roles)

@@ -34,7 +34,8 @@ def serve_in_process(serve_plan: ServePlan) -> int:
         event_plane="local",
     )
     frontend_config = dataclasses.replace(serve_plan.frontend, runtime=runtime_config)
-    run_async(_serve(frontend_config, serve_plan.worker, runtime_config, serve_plan.args.workers))
+    configs = [serve_plan.worker_config(role) for role in serve_plan.roles]
+    run_async(_serve(frontend_config, configs, runtime_config))
     return 0
 
 
@@ -52,16 +53,15 @@ def _build_worker(
 
 async def _serve(
     frontend_config: FrontendConfig,
-    config: MockerConfig | TorchEngineConfig,
+    configs: list[MockerConfig | TorchEngineConfig],
     runtime_config: RuntimeConfig,
-    workers: int,
 ) -> None:
     hub = InProcessHub()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker_objs = [_build_worker(config, runtime_config, hub) for _ in range(workers)]
+    worker_objs = [_build_worker(config, runtime_config, hub) for config in configs]
     tasks = [asyncio.create_task(w.run(), name=f"worker-{i}") for i, w in enumerate(worker_objs)]
     frontend = FrontendService(frontend_config, hub=hub)
     try:

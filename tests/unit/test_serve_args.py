@@ -55,17 +55,17 @@ def test_each_flag_goes_to_its_process() -> None:
     assert "--max-inflight-requests=8" in p.frontend_argv
     assert "--no-router-kv-events" in p.frontend_argv
     assert "--router-mode=kv" in p.frontend_argv and "--http-port=0" in p.frontend_argv
-    assert "--speedup-ratio=2.0" in p.worker_argv
-    assert "--no-enable-prefix-caching" in p.worker_argv and "--model-name=m" in p.worker_argv
-    assert "--log-level=DEBUG" in p.frontend_argv and "--log-level=DEBUG" in p.worker_argv
-    assert not any("inflight" in a or "router" in a for a in p.worker_argv)
+    assert "--speedup-ratio=2.0" in p.engine_argv
+    assert "--no-enable-prefix-caching" in p.engine_argv and "--model-name=m" in p.engine_argv
+    assert "--log-level=DEBUG" in p.frontend_argv and "--log-level=DEBUG" in p.engine_argv
+    assert not any("inflight" in a or "router" in a for a in p.engine_argv)
     assert not any("speedup" in a or "prefix" in a for a in p.frontend_argv)
     # The configs the children will build from those argvs.
     assert (p.frontend.max_inflight, p.frontend.overload_status) == (8, 503)
     assert p.frontend.kv.use_kv_events is False and p.frontend.router_mode == "kv"
-    assert p.worker.speedup_ratio == 2.0 and p.worker.enable_prefix_caching is False
+    assert p.engine_config.speedup_ratio == 2.0 and p.engine_config.enable_prefix_caching is False
     # Flags not given are not passed (the children read the same DYN_* environment).
-    assert not any(a.startswith("--block-size") for a in p.worker_argv)
+    assert not any(a.startswith("--block-size") for a in p.engine_argv)
 
 
 def test_serve_flags_have_env_twins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,6 +125,31 @@ def test_rendered_flags_parse_back_to_the_same_values() -> None:
     assert parsed == {a.dest: v for a, v in actions}
 
 
+def test_prefill_and_decode_workers_get_their_role() -> None:
+    p = plan(["--prefill-workers", "1", "--decode-workers", "2", "--speedup-ratio", "0"])
+    assert p.roles == ("prefill", "decode", "decode")
+    assert "--disaggregation-mode=prefill" in p.worker_argv("prefill")
+    assert "--speedup-ratio=0.0" in p.worker_argv("decode")
+    assert p.worker_config("decode").disaggregation_mode == "decode"
+    assert plan([]).roles == ("agg", "agg")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-workers", "1"], "--prefill-workers needs --decode-workers"),
+        (["--decode-workers", "-1"], "must be >= 0"),
+        (["--disaggregation-mode", "prefill"], "unrecognized arguments"),  # serve sets roles
+    ],
+)
+def test_bad_disaggregation_flags(
+    no_children: None, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        serve.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_engine_pytorch_takes_the_pytorch_flags(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from dynamo.pytorch.config import TorchEngineConfig
@@ -135,9 +160,12 @@ def test_engine_pytorch_takes_the_pytorch_flags(tmp_path: Path) -> None:
         ["--engine", "pytorch", "--model-path", str(model), "--kv-cache-memory", "16MiB"]
         + ["--dtype", "bfloat16", "--router-mode", "kv", "--workers", "1"]
     )
-    assert p.worker_module == "dynamo.pytorch"
-    assert "--kv-cache-memory=16777216" in p.worker_argv and "--dtype=bfloat16" in p.worker_argv
-    assert isinstance(p.worker, TorchEngineConfig) and p.worker.kv_cache_memory == 16 << 20
+    assert p.worker_module == "dynamo.pytorch" and p.roles == ("agg",)
+    argv = p.worker_argv("agg")
+    assert "--kv-cache-memory=16777216" in argv and "--dtype=bfloat16" in argv
+    assert not any("disaggregation" in a for a in argv)
+    config = p.worker_config("agg")
+    assert isinstance(config, TorchEngineConfig) and config.kv_cache_memory == 16 << 20
     assert p.frontend.router_mode == "kv"
     assert "--engine" in build_parser("pytorch").format_help()
 
@@ -149,6 +177,7 @@ def test_engine_pytorch_takes_the_pytorch_flags(tmp_path: Path) -> None:
         (["--engine", "pytorch", "--speedup-ratio", "2"], "unrecognized arguments"),
         (["--engine", "vllm-ish"], "invalid choice"),
         (["--engine", "pytorch", "--model-path", "dynamo/models/demo"], "or *.bin weights"),
+        (["--engine", "pytorch", "--decode-workers", "1"], "aggregated workers only"),
     ],
 )
 def test_bad_engine_flags_fail_before_anything_starts(
