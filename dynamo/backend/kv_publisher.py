@@ -47,6 +47,11 @@ class KVPublisher:
         self._indexes: dict[int, LocalKVIndex] = {}
         self.num_batches = 0
 
+    @property
+    def runtime(self) -> DistributedRuntime:
+        """The worker's runtime (engines' other per-worker services use it too)."""
+        return self._runtime
+
     def local_index(self, worker_id: int) -> LocalKVIndex:
         index = self._indexes.get(worker_id)
         if index is None:

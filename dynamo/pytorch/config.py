@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo.backend.disagg import role_component
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
@@ -78,11 +77,6 @@ class TorchEngineConfig:
     @property
     def role(self) -> WorkerRole:
         return WorkerRole(self.disaggregation_mode)
-
-    def endpoint_for(self, namespace: str) -> str:
-        """``--endpoint``, else ``dyn://{ns}.backend.generate`` (prefill workers:
-        ``dyn://{ns}.prefill.generate``)."""
-        return self.endpoint or f"dyn://{namespace}.{role_component(self.role)}.generate"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
