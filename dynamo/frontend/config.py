@@ -24,6 +24,9 @@ class FrontendConfig:
     first_response_timeout_s: float = 600.0
     inter_chunk_timeout_s: float = 300.0
     sse_keep_alive_s: float = 10.0
+    migration_limit: int | None = None  # None: each model's workers advertise theirs
+    migration_max_seq_len: int | None = None
+    instance_probe_interval_s: float = 1.0
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
 
@@ -37,6 +40,12 @@ class FrontendConfig:
         for name in ("first_response_timeout_s", "inter_chunk_timeout_s", "sse_keep_alive_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if self.migration_limit is not None and self.migration_limit < 0:
+            raise ValueError("the migration limit must be >= 0")
+        if self.migration_max_seq_len is not None and self.migration_max_seq_len < 1:
+            raise ValueError("the migration max sequence length must be >= 1")
+        if self.instance_probe_interval_s <= 0:
+            raise ValueError("the instance probe interval must be > 0")
 
     @property
     def body_limit_bytes(self) -> int:
@@ -111,6 +120,30 @@ class FrontendConfig:
             type=float,
             help="an SSE stream idle this long gets a ': keep-alive' comment (0: never)",
         )
+        add_flag(
+            parser,
+            "--migration-limit",
+            default=d.migration_limit,
+            type=int,
+            help="times a request whose worker fails may continue on another worker "
+            "(0: never; unset: what each model's workers advertise)",
+        )
+        add_flag(
+            parser,
+            "--migration-max-seq-len",
+            default=d.migration_max_seq_len,
+            type=int,
+            help="a request whose prompt + generated tokens exceed this is not migrated "
+            "(unset: no limit)",
+        )
+        add_flag(
+            parser,
+            "--instance-probe-interval-secs",
+            default=d.instance_probe_interval_s,
+            type=float,
+            help="how often an instance taken out of routing after a failure is probed to "
+            "bring it back (also the probe's timeout)",
+        )
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
         return parser
@@ -129,6 +162,9 @@ class FrontendConfig:
             first_response_timeout_s=args.first_response_timeout_secs,
             inter_chunk_timeout_s=args.inter_chunk_timeout_secs,
             sse_keep_alive_s=args.sse_keep_alive_secs,
+            migration_limit=args.migration_limit,
+            migration_max_seq_len=args.migration_max_seq_len,
+            instance_probe_interval_s=args.instance_probe_interval_secs,
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),
         )
