@@ -24,10 +24,11 @@ import msgspec
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy, is_instance_fault
 from dynamo.frontend.pipeline import ChoiceStats
-from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints
 from dynamo.router.basic import Router, Selection
+from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, NoInstances, ResponseTimeout
 
@@ -119,6 +120,11 @@ async def attempts(
     policy); a migratable failure (``migration.py``) while the budget allows starts another
     attempt, on another instance when there is one, continuing where the stream stopped. Every
     load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
+
+    A disaggregated model (decode workers) first has its prompt prefilled on a prefill worker
+    when ``frontend/disagg.py`` decides so; the decode worker then resumes from the handoff. A
+    failure before the decode worker was sent the request (the remote prefill) does not take
+    the decode instance out of routing.
     """
     migration = policy.start(entry.name, request, entry.migration_limit)
     failure: DynamoError | None = None
@@ -138,8 +144,10 @@ async def attempts(
                     raise failure from None
                 raise
             received = False
+            dispatched: list[bool] = []
+            attempt = _attempt(entry, current, selection, ctx, stats, loads, timeouts, dispatched)
             try:
-                async for outs in _attempt(entry, current, selection, ctx, stats, loads, timeouts):
+                async for outs in attempt:
                     received = True
                     migration.record(outs)
                     reason = outs[-1].finish_reason  # a terminal is always the last chunk
@@ -149,7 +157,7 @@ async def attempts(
                 outcome = "success"
                 return
             except DynamoError as exc:
-                if is_instance_fault(exc):
+                if dispatched and is_instance_fault(exc):
                     entry.report_down(selection.instance_id)
                 if not migration.retry(exc, ctx, received):
                     outcome = "cancelled" if ctx.is_stopped() else "failure"
@@ -161,6 +169,10 @@ async def attempts(
                     return
                 failure = exc
                 avoid = selection.instance_id
+            finally:
+                # Closed here, not left to the garbage collector: when our consumer stops
+                # early the attempt's stream and load must go now.
+                await attempt.aclose()
     finally:
         migration.finish(outcome)
 
@@ -173,16 +185,46 @@ async def _attempt(
     stats: ChoiceStats,
     loads: list[Load],
     timeouts: Timeouts,
+    dispatched: list[bool],
 ) -> AsyncGenerator[list[LLMEngineOutput], None]:
-    """One attempt: stream ``request`` to the routed ``selection``, bounded by ``timeouts``."""
+    """One attempt: stream ``request`` to the routed ``selection``, bounded by ``timeouts``
+    (after a remote prefill for a disaggregated model). ``dispatched`` gets an entry once the
+    request is sent to the selected instance."""
     router = entry.router
+    role = entry.serving_role()
     stats.selection = selection
-    stats.dispatched_at = time.monotonic()
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
-    client = entry.clients[entry.serving_role()]
-    body = _request_encoder.encode(placed(request, selection))
-    stream = client.stream_batches(body, ctx, instance_id=selection.instance_id)
+    try:
+        pipeline = entry.pipeline
+        disagg = pipeline.disagg if pipeline is not None else None
+        if role is WorkerRole.DECODE and disagg is not None:
+            handoff = await disagg.prefill(entry, request, selection, ctx, loads, timeouts)
+            if handoff is not None:
+                request = msgspec.structs.replace(request, prefill_result=handoff)
+        stats.dispatched_at = time.monotonic()
+        body = _request_encoder.encode(placed(request, selection))
+        dispatched.append(True)
+        async for outs in transport(
+            entry.clients[role], body, ctx, selection.instance_id, timeouts
+        ):
+            if not load.prefilled and any(o.token_ids for o in outs):
+                load.first_token()
+            yield outs
+    finally:
+        load.free()
+
+
+async def transport(
+    client: EndpointClient,
+    body: bytes,
+    ctx: Context,
+    instance_id: int,
+    timeouts: Timeouts,
+) -> AsyncGenerator[list[LLMEngineOutput], None]:
+    """One request-plane stream to ``instance_id``, decoded, in batches, under ``timeouts``
+    (:class:`ResponseTimeout` when the worker stays silent too long). Ends after the terminal."""
+    stream = client.stream_batches(body, ctx, instance_id=instance_id)
     receive = stream.__anext__
     decode = _output_decoder.decode
     watchdog: IdleTimer | None = None
@@ -211,7 +253,7 @@ async def _attempt(
                     phase = "first response" if first else "next response"
                     limit = timeouts.first_response_s if first else timeouts.inter_chunk_s
                     raise ResponseTimeout(
-                        f"worker {selection.instance_id:x} sent no {phase} within {limit:g}s"
+                        f"worker {instance_id:x} sent no {phase} within {limit:g}s"
                     ) from None
                 raise
             if watchdog is not None:
@@ -225,11 +267,8 @@ async def _attempt(
                     else:
                         watchdog.cancel()
                         watchdog = None
-            if not load.prefilled and any(o.token_ids for o in outs):
-                load.first_token()
             yield outs
     finally:
         if watchdog is not None:
             watchdog.cancel()
         await stream.aclose()
-        load.free()
