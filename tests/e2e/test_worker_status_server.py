@@ -87,7 +87,11 @@ MOCKER += ["--speedup-ratio", "0", "--system-host", "127.0.0.1"]
 def health_after(proc: Any, seconds: float) -> int:
     base = f"http://127.0.0.1:{status_port(proc)}"
     deadline = time.monotonic() + 20
-    while httpx.get(f"{base}/health").status_code != 200:  # registered and serving
+    # Until registered and serving; canaries start only then, so a failed canary's log line
+    # also proves it (on a loaded machine one can fail before this loop ever sees the 200).
+    while httpx.get(f"{base}/health").status_code != 200:
+        if any("health check of" in line and "failed" in line for line in proc.lines):
+            break
         assert time.monotonic() < deadline, proc.lines
         time.sleep(0.05)
     time.sleep(seconds)  # several canary periods
