@@ -192,10 +192,11 @@ def ensure_vllm_venv(venv: Path) -> Path:
     3.5 GB; the CUDA builds of torchvision/torchaudio/torchcodec it pulls in are removed)."""
     python = venv / "bin" / "python"
     lock = venv.parent / f"{venv.name}.lock"
+    done = venv / ".installed"  # written last: a half-built venv is rebuilt
     script = (
-        f"test -x {python} || ({sys.executable} -m venv {venv}"
+        f"test -f {done} || ({sys.executable} -m venv {venv}"
         f" && {venv}/bin/pip install -q {VLLM_VERSION} {TORCH_WHEEL_PIN}"
-        f" && {venv}/bin/pip uninstall -y -q torchvision torchaudio torchcodec)"
+        f" && {venv}/bin/pip uninstall -y -q torchvision torchaudio torchcodec && touch {done})"
     )
     subprocess.run(["flock", str(lock), "sh", "-c", script], check=True)
     return python
