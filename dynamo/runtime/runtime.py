@@ -32,6 +32,12 @@ from dynamo.runtime.request_plane.local import (
 )
 from dynamo.runtime.request_plane.tcp_client import TCPRequestPlaneClient
 from dynamo.runtime.request_plane.tcp_server import TCPRequestPlaneServer
+from dynamo.runtime.work_queue.base import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_REDELIVERY_TIMEOUT,
+    WorkQueue,
+)
+from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ class InProcessHub:
     store: MemoryStore = field(default_factory=MemoryStore)
     requests: LocalHub = field(default_factory=LocalHub)
     events: LocalEventBus = field(default_factory=LocalEventBus)
+    queues: LocalQueueStore = field(default_factory=LocalQueueStore)
 
 
 @dataclass
@@ -72,6 +79,7 @@ class DistributedRuntime:
         self._transport: RequestPlaneClient | None = None
         self._served: dict[tuple[EndpointId, int], ServedEndpoint] = {}
         self._clients: list[EndpointClient] = []
+        self._queues: list[WorkQueue] = []
         self._started = False
         self._stopped = False
         self._lease_watch: asyncio.Task[None] | None = None
@@ -129,6 +137,8 @@ class DistributedRuntime:
             await self._server.stop()
         for client in self._clients:
             await client.close()
+        for queue in self._queues:
+            await queue.close()
         if self._transport is not None:
             await self._transport.close()
         if self._events is not None:
@@ -211,6 +221,25 @@ class DistributedRuntime:
         self._clients.append(client)
         return client
 
+    async def work_queue(
+        self,
+        name: str,
+        *,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        redelivery_timeout: float = DEFAULT_REDELIVERY_TIMEOUT,
+    ) -> WorkQueue:
+        """A started handle on the namespace's work queue ``name``; closed with the runtime.
+
+        Every process of the namespace that opens ``name`` shares one queue. Its limits are set
+        by the first opener; later openers must pass the same ones.
+        """
+        queue = self._make_work_queue(
+            f"{self.namespace}.{name}", max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        )
+        await queue.start()
+        self._queues.append(queue)
+        return queue
+
     # -- backend choice (the one place) --------------------------------------------------
     def _make_discovery(self) -> Discovery:
         backend = self.config.discovery_backend
@@ -238,3 +267,14 @@ class DistributedRuntime:
             assert self._hub is not None
             return LocalRequestPlaneClient(self._hub.requests)
         return TCPRequestPlaneClient()
+
+    def _make_work_queue(
+        self, name: str, *, max_depth: int, redelivery_timeout: float
+    ) -> WorkQueue:
+        if self._hub is None:
+            raise ValueError(
+                "work queues need the one-process shape (an in-process hub) in this build"
+            )
+        return LocalWorkQueue(
+            self._hub.queues, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        )

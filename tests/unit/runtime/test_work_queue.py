@@ -1,0 +1,186 @@
+"""The work-queue contract, run against every backend: pull/ack, bounded depth, redelivery of
+unsettled items, nack, close, and many consumers taking each item once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from dynamo.runtime.errors import Overloaded
+from dynamo.runtime.work_queue.base import QueueDepth, WorkQueue
+from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
+
+# open_queue(max_depth, redelivery_timeout) -> a started handle on the test's one queue.
+OpenQueue = Callable[[int, float], Awaitable[WorkQueue]]
+
+
+@pytest.fixture(params=["local"])
+async def open_queue(request: pytest.FixtureRequest) -> AsyncIterator[OpenQueue]:
+    handles: list[WorkQueue] = []
+    store = LocalQueueStore()
+
+    async def open_(max_depth: int, redelivery_timeout: float) -> WorkQueue:
+        queue = LocalWorkQueue(
+            store, "prefill", max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        )
+        await queue.start()
+        handles.append(queue)
+        return queue
+
+    yield open_
+    for handle in handles:
+        await handle.close()
+
+
+async def test_fifo_pull_ack_and_depth(open_queue: OpenQueue) -> None:
+    producer = await open_queue(8, 30.0)
+    consumer = await open_queue(8, 30.0)
+    assert await producer.depth() == QueueDepth(0, 0)
+    for i in range(3):
+        await producer.push(b"job%d" % i)
+    assert await consumer.depth() == QueueDepth(waiting=3, in_flight=0)
+    first = await consumer.pull(timeout=2)
+    assert first is not None and first.payload == b"job0" and first.deliveries == 1
+    assert await producer.depth() == QueueDepth(waiting=2, in_flight=1)
+    await consumer.ack(first)
+    assert (await producer.depth()).total == 2
+    rest = [await consumer.pull(timeout=2) for _ in range(2)]
+    assert [item.payload for item in rest if item is not None] == [b"job1", b"job2"]
+    for item in rest:
+        assert item is not None
+        await consumer.ack(item)
+    assert await producer.depth() == QueueDepth(0, 0)
+    assert await consumer.pull(timeout=0.05) is None
+
+
+async def test_push_beyond_max_depth_is_refused(open_queue: OpenQueue) -> None:
+    queue = await open_queue(2, 30.0)
+    await queue.push(b"a")
+    await queue.push(b"b")
+    with pytest.raises(Overloaded):
+        await queue.push(b"c")
+    item = await queue.pull(timeout=2)
+    assert item is not None
+    with pytest.raises(Overloaded):  # in flight still counts against the bound
+        await queue.push(b"c")
+    await queue.ack(item)
+    await queue.push(b"c")
+    assert (await queue.depth()).total == 2
+
+
+async def test_unsettled_item_is_redelivered_and_stale_ack_ignored(open_queue: OpenQueue) -> None:
+    slow = await open_queue(4, 0.3)
+    other = await open_queue(4, 0.3)
+    await slow.push(b"x")
+    first = await slow.pull(timeout=2)
+    assert first is not None and first.deliveries == 1
+    # The slow consumer never settles it: after the timeout another consumer gets it again.
+    again = await other.pull(timeout=5)
+    assert again is not None and again.payload == b"x" and again.deliveries == 2
+    await slow.ack(first)  # stale: must not remove the redelivered item
+    assert (await other.depth()).total == 1
+    await other.ack(again)
+    assert await other.depth() == QueueDepth(0, 0)
+
+
+async def test_nack_redelivers_at_once(open_queue: OpenQueue) -> None:
+    queue = await open_queue(4, 30.0)
+    await queue.push(b"x")
+    await queue.push(b"y")
+    item = await queue.pull(timeout=2)
+    assert item is not None and item.payload == b"x"
+    await queue.nack(item)
+    again = await queue.pull(timeout=2)
+    assert again is not None and again.payload == b"x" and again.deliveries == 2
+    await queue.ack(again)
+
+
+async def test_waiting_pull_gets_a_later_push(open_queue: OpenQueue) -> None:
+    consumer = await open_queue(4, 30.0)
+    producer = await open_queue(4, 30.0)
+    pending = asyncio.create_task(consumer.pull(timeout=5))
+    await asyncio.sleep(0.05)
+    await producer.push(b"late")
+    item = await pending
+    assert item is not None and item.payload == b"late"
+    await consumer.ack(item)
+
+
+async def test_many_consumers_take_each_item_once(open_queue: OpenQueue) -> None:
+    producer = await open_queue(64, 30.0)
+    consumers = [await open_queue(64, 30.0) for _ in range(3)]
+    taken: list[bytes] = []
+
+    async def consume(queue: WorkQueue) -> None:
+        while (item := await queue.pull(timeout=0.5)) is not None:
+            taken.append(item.payload)
+            await queue.ack(item)
+
+    workers = [asyncio.create_task(consume(c)) for c in consumers]
+    for i in range(30):
+        await producer.push(b"%d" % i)
+    await asyncio.gather(*workers)
+    assert sorted(taken) == sorted(b"%d" % i for i in range(30))
+    assert await producer.depth() == QueueDepth(0, 0)
+
+
+async def test_cancelled_pull_loses_no_item(open_queue: OpenQueue) -> None:
+    queue = await open_queue(4, 30.0)
+    pending = asyncio.create_task(queue.pull())
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    await asyncio.gather(pending, return_exceptions=True)
+    await queue.push(b"kept")
+    assert await queue.depth() == QueueDepth(waiting=1, in_flight=0)
+    item = await queue.pull(timeout=2)
+    assert item is not None and item.payload == b"kept"
+    await queue.ack(item)
+
+
+async def test_close_wakes_pulls_and_gives_back_unsettled_items(open_queue: OpenQueue) -> None:
+    leaving = await open_queue(4, 30.0)
+    staying = await open_queue(4, 30.0)
+    await staying.push(b"held")
+    held = await leaving.pull(timeout=2)
+    assert held is not None
+    blocked = asyncio.create_task(leaving.pull())
+    await asyncio.sleep(0.05)
+    await leaving.close()
+    assert await asyncio.wait_for(blocked, 2) is None
+    again = await staying.pull(timeout=5)
+    assert again is not None and again.payload == b"held" and again.deliveries == 2
+    await staying.ack(again)
+
+
+async def test_runtimes_of_one_hub_share_a_namespaced_queue() -> None:
+    from dynamo.runtime.config import RuntimeConfig
+    from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+
+    hub = InProcessHub()
+    config = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
+    frontend, worker = DistributedRuntime(config, hub), DistributedRuntime(config, hub)
+    other_ns = DistributedRuntime(
+        RuntimeConfig(
+            namespace="other",
+            discovery_backend="memory",
+            request_plane="local",
+            event_plane="local",
+        ),
+        hub,
+    )
+    for runtime in (frontend, worker, other_ns):
+        await runtime.start()
+    try:
+        producer = await frontend.work_queue("prefill", max_depth=4)
+        consumer = await worker.work_queue("prefill", max_depth=4)
+        stranger = await other_ns.work_queue("prefill", max_depth=4)
+        await producer.push(b"p")
+        assert await stranger.pull(timeout=0.05) is None
+        item = await consumer.pull(timeout=2)
+        assert item is not None and item.payload == b"p"
+        await consumer.ack(item)
+    finally:
+        for runtime in (frontend, worker, other_ns):
+            await runtime.shutdown()
