@@ -3,13 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean servers
 
 $(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench,pytorch]'
 	touch $@
+
+# etcd and nats-server binaries for the many-machines tests (scripts/install_servers.sh).
+servers: $(VENV)/.installed
+	VENV=$(VENV) scripts/install_servers.sh
 
 run: $(VENV)/.installed
 	$(VENV)/bin/dynamo serve
@@ -19,7 +23,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check dynamo tests benchmarks scripts
 	$(VENV)/bin/mypy dynamo
 
-test: lint
+test: lint servers
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 clean:

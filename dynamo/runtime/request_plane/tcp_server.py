@@ -170,10 +170,14 @@ class TCPRequestPlaneServer:
         *,
         max_frame_size: int | None = None,
         max_inflight: int | None = None,
+        advertise_host: str = "",
     ) -> None:
-        """``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
+        """``advertise_host`` (default: ``host``) is the host in :attr:`address`, what peers
+        dial: set it when binding a wildcard or an address others reach through NAT.
+        ``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
         running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks."""
         self.host = host
+        self.advertise_host = advertise_host or host
         self.port = port
         self.max_frame_size = max_frame_size or codec.default_max_frame_size()
         self.max_inflight = max_inflight or int(os.environ.get("DYN_TCP_MAX_INFLIGHT", "16384"))
@@ -188,7 +192,8 @@ class TCPRequestPlaneServer:
     def address(self) -> str:
         if self._server is None:
             raise RuntimeError("the request-plane server is not started")
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        advertised = self.advertise_host
+        host = f"[{advertised}]" if ":" in advertised else advertised
         return f"tcp://{host}:{self.port}"
 
     async def start(self) -> None:

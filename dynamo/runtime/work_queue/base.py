@@ -9,7 +9,8 @@
   once. An item neither acked nor nacked within ``redelivery_timeout`` seconds of its delivery
   (its consumer died or hangs) becomes waiting again and is delivered again, with
   ``deliveries`` counting the attempts. Delivery is therefore *at least once*: consumers must
-  tolerate a redelivered item (a stale ack of an item redelivered since is ignored).
+  tolerate a redelivered item. A late ack from an earlier delivery still completes the item (the
+  work was done; JetStream behaves so): the later delivery's ack is then a no-op.
 * ``depth()`` reads how many items wait and how many are in flight.
 
 Backends: ``local`` (one process, :mod:`dynamo.runtime.work_queue.local`) and ``jetstream``
@@ -64,7 +65,7 @@ class WorkQueue(Protocol):
         ...
 
     async def ack(self, item: WorkItem) -> None:
-        """Done with ``item``: remove it (ignored if it was redelivered since)."""
+        """Done with ``item``: remove it (also from a later delivery's consumer)."""
         ...
 
     async def nack(self, item: WorkItem) -> None:

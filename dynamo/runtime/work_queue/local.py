@@ -174,12 +174,14 @@ class LocalWorkQueue:
 
     async def ack(self, item: WorkItem) -> None:
         self._delivered.pop(item.item_id, None)
-        stored = self._state.settle_target(item)
+        state = self._state
+        stored = state.stored.pop(item.item_id, None)
         if stored is None:
             return
-        assert stored.redelivery is not None
-        stored.redelivery.cancel()
-        del self._state.stored[item.item_id]
+        if stored.redelivery is not None:
+            stored.redelivery.cancel()
+        else:  # a late ack while it waits for redelivery
+            state.waiting.remove(item.item_id)
         # Room freed; producers do not wait (push fails fast), consumers need no wake.
 
     async def nack(self, item: WorkItem) -> None:
