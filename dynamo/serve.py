@@ -1,7 +1,9 @@
 """``dynamo serve``: the one-command stack on this machine.
 
 Starts the frontend and N mocker workers as child processes sharing a temporary file-discovery
-directory, with the TCP request plane and the ZMQ event plane on 127.0.0.1, serving the demo model
+directory, with the TCP request plane and the ZMQ event plane on 127.0.0.1 (or, with
+``--discovery-backend etcd --event-plane nats``, on the etcd and NATS servers named, so that
+more frontends and workers on other machines join the same stack), serving the demo model
 that ships in the package (or ``--model-path``). Every frontend and mocker flag is accepted and
 passed to its process (``serve_args.py``; ``--help`` shows the groups); an unknown or invalid flag
 fails before anything starts. Ctrl-C or SIGTERM stops every child cleanly. ``--in-process`` runs
@@ -68,12 +70,17 @@ def _serve_processes(serve_plan: ServePlan) -> int:
         frontend_argv = [*frontend_argv, f"--http-port={args.http_port}"]
     discovery_dir = tempfile.mkdtemp(prefix="dynamo-serve-")
     env = dict(os.environ)
+    # The children read their runtime settings from these DYN_* twins (runtime/config.py).
     env.update(
         {
-            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_DISCOVERY_BACKEND": args.discovery_backend,
             "DYN_FILE_KV": discovery_dir,
+            "ETCD_ENDPOINTS": args.etcd_endpoints,
             "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
+            "DYN_EVENT_PLANE": args.event_plane,
+            "NATS_SERVER": args.nats_server,
+            "DYN_RUNTIME_HOST": args.runtime_host,
+            "DYN_RUNTIME_ADVERTISE_HOST": args.runtime_advertise_host,
             "DYN_NAMESPACE": args.namespace,
         }
     )

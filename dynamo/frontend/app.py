@@ -11,7 +11,9 @@ import asyncio
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from granian._granian import ListenerSpec
@@ -30,6 +32,7 @@ from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.router.kv_router import KVRouter
+from dynamo.runtime.published_files import fetch_files
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
@@ -158,8 +161,18 @@ class FrontendService:
         self.port = config.http_port
 
     async def _build_pipeline(self, card: ModelCard) -> ModelPipeline:
+        # The files come from discovery (published by the worker), not from a path on the
+        # worker's disk; cards without them (older workers) fall back to ``model_path``.
+        path: str | Path = card.model_path
+        if card.files_prefix is not None:
+            cache = Path(tempfile.gettempdir()) / "dynamo-model-files"
+            path = await fetch_files(
+                self.runtime.discovery,
+                card.files_prefix,
+                cache / card.files_prefix.rstrip("/").rsplit("/", 1)[-1],
+            )
         model_dir = await asyncio.to_thread(
-            load_model_dir, card.model_path, context_length=card.context_length
+            load_model_dir, path, context_length=card.context_length
         )
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
