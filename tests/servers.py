@@ -43,8 +43,13 @@ def _binary(name: str) -> str:
 class _Server:
     """A child server process that can be stopped and started again on the same port/data."""
 
-    def __init__(self, name: str, host: str) -> None:
+    # A log line that says the server is ready: used inside a network namespace, where this
+    # process cannot probe the server's address.
+    READY_MARKER = ""
+
+    def __init__(self, name: str, host: str, prefix: tuple[str, ...] = ()) -> None:
         self.host = host
+        self.prefix = prefix
         self.data_dir = tempfile.mkdtemp(prefix=f"dyn-{name}-")
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = open(os.path.join(self.data_dir, f"{name}.log"), "wb")  # noqa: SIM115
@@ -57,16 +62,26 @@ class _Server:
 
     def start(self, timeout: float = 30.0) -> None:
         assert self._proc is None
+        log_start = self._log.tell()
         self._proc = subprocess.Popen(
-            self._command(), stdout=self._log, stderr=subprocess.STDOUT, cwd=self.data_dir
+            [*self.prefix, *self._command()],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
         )
         deadline = time.monotonic() + timeout
-        while not self._ready():
+        while not (self._logged_ready(log_start) if self.prefix else self._ready()):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"{self._command()[0]} exited: see {self._log.name}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self._command()[0]} not ready in {timeout}s")
             time.sleep(0.05)
+
+    def _logged_ready(self, log_start: int) -> bool:
+        self._log.flush()
+        with open(self._log.name, "rb") as log:
+            log.seek(log_start)
+            return self.READY_MARKER.encode() in log.read()
 
     def stop(self, kill: bool = False) -> None:
         proc, self._proc = self._proc, None
@@ -95,10 +110,13 @@ class _Server:
 class EtcdServer(_Server):
     """One etcd member; ``endpoint`` is its client URL."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        super().__init__("etcd", host)
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
+    READY_MARKER = "ready to serve client requests"
+
+    def __init__(self, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+        super().__init__("etcd", host, prefix)
+        # In a namespace made for the test nothing else listens: any fixed port is free.
+        self.client_port = free_port() if not prefix else 2379
+        self.peer_port = free_port() if not prefix else 2380
 
     @property
     def endpoint(self) -> str:
@@ -115,7 +133,7 @@ class EtcdServer(_Server):
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=test={peer}",
-            "--log-level=error",
+            "--log-level=info" if self.prefix else "--log-level=error",
         ]
 
     def _ready(self) -> bool:
@@ -128,9 +146,11 @@ class EtcdServer(_Server):
 class NatsServer(_Server):
     """One nats-server with JetStream; ``url`` is its client URL."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        super().__init__("nats", host)
-        self.port = free_port(host)
+    READY_MARKER = "Server is ready"
+
+    def __init__(self, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+        super().__init__("nats", host, prefix)
+        self.port = free_port() if not prefix else 4222
 
     @property
     def url(self) -> str:

@@ -134,16 +134,18 @@ class EtcdWatch(QueueWatch):
                     if batch.compacted:
                         await self._resync(prefix)
                         break
+                    # Every event of one revision (a transaction, a lease's keys expiring)
+                    # comes in one batch: skip only revisions delivered before this batch.
+                    floor = self._revision
                     for event in batch.events:
-                        self._deliver(event.deleted, event.kv)
+                        if event.kv.mod_revision > floor:
+                            self._deliver(event.deleted, event.kv)
             except CannotConnect as exc:
                 log.info("etcd watch on %r interrupted (%s); resuming", self.prefix, exc)
             await asyncio.sleep(backoff)
             backoff = min(_RETRY_MAX, backoff * 2)
 
     def _deliver(self, deleted: bool, kv: EtcdKv) -> None:
-        if kv.mod_revision <= self._revision and kv.mod_revision != 0:
-            return  # already delivered before a reconnect
         self._revision = max(self._revision, kv.mod_revision)
         if deleted:
             if self._known.pop(kv.key, None) is not None:

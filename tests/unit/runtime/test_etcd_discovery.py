@@ -105,6 +105,17 @@ async def test_watch_snapshot_then_ordered_events(disc: EtcdDiscovery) -> None:
     assert [e async for e in watch] == []
 
 
+async def test_every_key_of_an_expiring_lease_is_seen(disc: EtcdDiscovery) -> None:
+    """A lease's keys go in one revision: the watch must deliver each of them."""
+    lease = await disc.grant_lease(5.0)
+    for i in range(5):
+        await disc.put(f"many/{i}", b"x", lease)
+    watch = await disc.watch_prefix("many/")
+    await lease.revoke()
+    got = sorted([(await next_event(watch)).key for _ in range(5)])
+    assert got == [f"many/{i}" for i in range(5)]
+
+
 async def test_two_clients_see_each_other(etcd_server: EtcdServer) -> None:
     a, b = EtcdDiscovery([etcd_server.endpoint]), EtcdDiscovery([etcd_server.endpoint])
     try:
