@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 
+from dynamo.protocol.kv_events import KV_EVENTS_TOPIC
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.discovery.base import Discovery, Lease
@@ -267,7 +268,9 @@ class DistributedRuntime:
             return LocalEventPlane(self._hub.events)
         if self.config.event_plane == "nats":
             assert self._nats is not None
-            return NatsEventPlane(self._nats, self.config.namespace)
+            return NatsEventPlane(
+                self._nats, self.config.namespace, stored_topics=(KV_EVENTS_TOPIC,)
+            )
         return ZmqEventPlane(
             self.discovery,
             self.config.namespace,

@@ -1,7 +1,10 @@
 """Event plane on NATS core pub/sub (the many-machines shape).
 
 A topic is the subject ``dyn.<namespace>.ev.<topic>``; every message carries a 16-byte header
-(publisher id, per-topic seq: the event-plane contract) before the payload. NATS subjects match
+(publisher id, per-topic seq: the event-plane contract) before the payload. The ``stored_topics``
+(KV events) are also kept by JetStream: the stream ``DYN_EV_<namespace>`` captures their core
+publishes (publishers pay nothing more), bounded by age and count, and :meth:`replay` reads them
+back for a receiver that starts late. NATS subjects match
 by whole tokens, not by string prefix, so a subscription takes the namespace's ``>`` and keeps
 the topics starting with its prefix: every receiver in a namespace sees its event traffic.
 Slow subscribers are dropped from by the client (nats-py's pending limit), never the publisher.
@@ -10,11 +13,15 @@ Slow subscribers are dropped from by the client (nats-py's pending limit), never
 from __future__ import annotations
 
 import logging
+import re
 import struct
+from collections.abc import AsyncIterator
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSub
+from nats.js import api
 
 from dynamo.runtime.event_plane.base import EventMessage
 from dynamo.runtime.naming import new_instance_id
@@ -23,6 +30,14 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">QQ")
 DEFAULT_PENDING_MSGS = 65_536
+STORED_MAX_AGE_S = 3600.0
+STORED_MAX_MSGS = 1_000_000
+_REPLAY_BATCH = 512
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def stored_stream_name(namespace: str) -> str:
+    return "DYN_EV_" + _UNSAFE.sub("_", namespace)
 
 
 def events_subject_base(namespace: str) -> str:
@@ -84,9 +99,15 @@ class NatsEventPlane:
     (the runtime's). ``close()`` closes its subscriptions."""
 
     def __init__(
-        self, client: Client, namespace: str, *, pending_msgs: int = DEFAULT_PENDING_MSGS
+        self,
+        client: Client,
+        namespace: str,
+        *,
+        stored_topics: tuple[str, ...] = (),
+        pending_msgs: int = DEFAULT_PENDING_MSGS,
     ) -> None:
         self._client = client
+        self._stored = {topic: topic_subject(namespace, topic) for topic in stored_topics}
         self._namespace = namespace
         self._base = events_subject_base(namespace)
         self._pending_msgs = pending_msgs
@@ -103,6 +124,64 @@ class NatsEventPlane:
     async def start(self) -> None:
         if self._closed:
             raise RuntimeError("event plane is closed")
+        if not self._stored:
+            return
+        config = api.StreamConfig(
+            name=stored_stream_name(self._namespace),
+            subjects=sorted(self._stored.values()),
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=STORED_MAX_AGE_S,
+            max_msgs=STORED_MAX_MSGS,
+            discard=api.DiscardPolicy.OLD,
+            storage=api.StorageType.FILE,
+        )
+        try:
+            await self._client.jetstream().add_stream(config)
+        except nats.errors.Error as exc:
+            # Live delivery does not need the stream: late receivers fall back to asking.
+            log.warning("no JetStream stream for stored events (%s)", exc)
+
+    async def replay(self, topic: str) -> AsyncIterator[EventMessage]:
+        subject = self._stored.get(topic)
+        if subject is None:
+            return
+        js = self._client.jetstream()
+        stream = stored_stream_name(self._namespace)
+        try:
+            info = await js.stream_info(stream)
+            last = int(info.state.last_seq)
+            if int(info.state.messages) == 0:
+                return
+            pull = await js.pull_subscribe(
+                subject,
+                stream=stream,
+                config=api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.ALL,
+                    ack_policy=api.AckPolicy.NONE,
+                    inactive_threshold=30.0,
+                ),
+            )
+        except nats.errors.Error as exc:
+            log.warning("cannot replay stored %s events (%s)", topic, exc)
+            return
+        offset = len(self._base) + 1
+        try:
+            while True:
+                try:
+                    msgs = await pull.fetch(_REPLAY_BATCH, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    return  # nothing more stored
+                for msg in msgs:
+                    message = decode_message(msg, offset)
+                    if message is not None:
+                        yield message
+                    if msg.metadata.sequence.stream >= last:
+                        return
+        finally:
+            try:
+                await pull.unsubscribe()
+            except nats.errors.Error:
+                pass
 
     async def publish(self, topic: str, payload: bytes) -> None:
         if self._closed:
@@ -120,7 +199,10 @@ class NatsEventPlane:
         sub = await self._client.subscribe(
             f"{self._base}.>", pending_msgs_limit=self._pending_msgs, pending_bytes_limit=0
         )
-        # The subscription exists on the server once a round trip has passed.
+        # The subscription exists on the server once a round trip has passed. nats-py writes
+        # its PING ahead of commands still queued for its flusher (the SUB among them), so the
+        # queue is written out first, else the PONG may come back before the server has the SUB.
+        await self._client._flush_pending(force_flush=True)  # noqa: SLF001
         await self._client.flush()
         subscription = NatsSubscription(sub, topic_prefix, len(self._base) + 1)
         self._subscriptions = [s for s in self._subscriptions if not s.closed]
