@@ -69,7 +69,8 @@ class WorkQueue(Protocol):
         ...
 
     async def nack(self, item: WorkItem) -> None:
-        """Give ``item`` back for immediate redelivery (ignored if redelivered since)."""
+        """Give ``item`` back for redelivery now, not after the timeout (ignored if redelivered
+        since); other waiting items may still be delivered before it."""
         ...
 
     async def depth(self) -> QueueDepth: ...
