@@ -23,10 +23,11 @@ import msgspec
 
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.pipeline import ChoiceStats
-from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints
 from dynamo.router.basic import Router, Selection
+from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import NoInstances, ResponseTimeout
 
@@ -109,20 +110,49 @@ async def attempts(
 
     Every load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
 
+    A disaggregated model (decode workers) first has its prompt prefilled on a prefill worker
+    when ``frontend/disagg.py`` decides so; the decode worker then resumes from the handoff.
+
     This is the loop of attempts with one iteration. Migration (issue 13) goes here: on a
     migratable error (CannotConnect, StreamIncomplete, Disconnected, ResponseTimeout,
     EngineShutdown, WorkerShutdown) while ``ctx`` is live and the budget allows, start another
     attempt on another instance with the tokens already yielded appended to the prompt.
     """
     router = entry.router
+    role = entry.serving_role()
     selection = router.select(request, candidates(entry))
     stats.selection = selection
-    stats.dispatched_at = time.monotonic()
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
-    client = entry.clients[entry.serving_role()]
-    body = _request_encoder.encode(placed(request, selection))
-    stream = client.stream_batches(body, ctx, instance_id=selection.instance_id)
+    try:
+        pipeline = entry.pipeline
+        disagg = pipeline.disagg if pipeline is not None else None
+        if role is WorkerRole.DECODE and disagg is not None:
+            handoff = await disagg.prefill(entry, request, selection, ctx, loads, timeouts)
+            if handoff is not None:
+                request = msgspec.structs.replace(request, prefill_result=handoff)
+        stats.dispatched_at = time.monotonic()
+        body = _request_encoder.encode(placed(request, selection))
+        async for outs in transport(
+            entry.clients[role], body, ctx, selection.instance_id, timeouts
+        ):
+            if not load.prefilled and any(o.token_ids for o in outs):
+                load.first_token()
+            yield outs
+    finally:
+        load.free()
+
+
+async def transport(
+    client: EndpointClient,
+    body: bytes,
+    ctx: Context,
+    instance_id: int,
+    timeouts: Timeouts,
+) -> AsyncGenerator[list[LLMEngineOutput], None]:
+    """One request-plane stream to ``instance_id``, decoded, in batches, under ``timeouts``
+    (:class:`ResponseTimeout` when the worker stays silent too long). Ends after the terminal."""
+    stream = client.stream_batches(body, ctx, instance_id=instance_id)
     receive = stream.__anext__
     decode = _output_decoder.decode
     watchdog: IdleTimer | None = None
@@ -151,7 +181,7 @@ async def attempts(
                     phase = "first response" if first else "next response"
                     limit = timeouts.first_response_s if first else timeouts.inter_chunk_s
                     raise ResponseTimeout(
-                        f"worker {selection.instance_id:x} sent no {phase} within {limit:g}s"
+                        f"worker {instance_id:x} sent no {phase} within {limit:g}s"
                     ) from None
                 raise
             if watchdog is not None:
@@ -165,11 +195,8 @@ async def attempts(
                     else:
                         watchdog.cancel()
                         watchdog = None
-            if not load.prefilled and any(o.token_ids for o in outs):
-                load.first_token()
             yield outs
     finally:
         if watchdog is not None:
             watchdog.cancel()
         await stream.aclose()
-        load.free()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dynamo.backend.engine import RankMetrics
 from dynamo.observability.buckets import env_buckets
@@ -123,6 +123,25 @@ class FrontendMetrics:
             ["model", "endpoint"],
             registry=r,
         )
+        # Disaggregation (frontend/disagg.py)
+        self.disagg_prefills = Counter(
+            f"{p}_disagg_prefills",
+            "Prefills of disaggregated models by where they ran (placement remote or local)",
+            ["model", "placement"],
+            registry=r,
+        )
+        self.disagg_queue_depth = Gauge(
+            f"{p}_disagg_prefill_queue_depth",
+            "Remote prefills waiting for a prefill worker",
+            ["model"],
+            registry=r,
+        )
+        self.disagg_remote_inflight = Gauge(
+            f"{p}_disagg_remote_prefills_inflight",
+            "Remote prefills dispatched and not finished",
+            ["model"],
+            registry=r,
+        )
 
 
 class RouterMetrics:
@@ -201,6 +220,13 @@ ENGINE_GAUGES = (
     ("dynamo_component_num_requests_running", "Requests running in the engine"),
     ("dynamo_component_num_requests_waiting", "Requests waiting for admission in the engine"),
 )
+# Disaggregation (per role: a prefill worker's handoffs are remote prefills it ran, a decode
+# worker's are the prompts it received; transfers are counted where the KV lands).
+DISAGG_COUNTERS = (
+    ("dynamo_component_disagg_handoffs", "Remote prefills handed off (prefill) or received"),
+    ("dynamo_component_kv_transfer_bytes", "KV bytes received from prefill workers"),
+    ("dynamo_component_kv_transfer_seconds", "Seconds spent receiving KV from prefill workers"),
+)
 ENGINE_LABELS = (
     "model",
     "dynamo_namespace",
@@ -236,6 +262,9 @@ class EngineGauges:
     def collect(self) -> Iterator[Metric]:
         families = [GaugeMetricFamily(n, doc, labels=ENGINE_LABELS) for n, doc in ENGINE_GAUGES]
         total, usage, hit_rate, running, waiting = families
+        handoffs, moved, moving = (
+            CounterMetricFamily(n, doc, labels=ENGINE_LABELS) for n, doc in DISAGG_COUNTERS
+        )
         for model, worker_id, ranks in self._source():
             for m in ranks:
                 labels = [model, *self._static, str(worker_id), str(m.dp_rank)]
@@ -245,7 +274,14 @@ class EngineGauges:
                     hit_rate.add_metric(labels, m.prefix_cache_hit_rate)
                 running.add_metric(labels, m.num_running)
                 waiting.add_metric(labels, m.num_waiting)
+                if m.disagg is not None:
+                    handoffs.add_metric(labels, m.disagg.handoffs)
+                    moved.add_metric(labels, m.disagg.transfer_bytes)
+                    moving.add_metric(labels, m.disagg.transfer_seconds)
         yield from families
+        for family in (handoffs, moved, moving):
+            if family.samples:
+                yield family
 
 
 class HitRateWindow:
