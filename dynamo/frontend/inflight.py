@@ -1,10 +1,11 @@
 """The one owner of a generate request, from admission to :meth:`InflightRequest.finish`.
 
-It holds the request's ids, its ``Context``, its timing and usage (``RunStats``), its formatter
-and the router loads its attempts added. ``finish()`` is idempotent and the only place that
-records the request's metrics (``requests_total`` exactly once, whatever the path: rejection,
-validation error, engine error before or after the first token, disconnect, success) and frees
-its router load (each load exactly once). Tracing (a later issue) ends the request's span there.
+It holds the request's ids, its ``Context``, its timing and usage (``RunStats``), its formatter,
+its admission ticket (``admission.py``) and the router loads its attempts added. ``finish()`` is
+idempotent and the only place that records the request's metrics (``requests_total`` exactly
+once, whatever the path: rejection, validation error, engine error before or after the first
+token, disconnect, success), releases its admission ticket and frees its router load (each load
+exactly once). Tracing (a later issue) ends the request's span there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from dynamo.frontend.admission import Ticket
 from dynamo.frontend.attempt import Load
 from dynamo.frontend.errors import to_http
 from dynamo.frontend.exchange import Exchange
@@ -42,6 +44,7 @@ class InflightRequest:
         "stats",
         "fmt",
         "loads",
+        "ticket",
         "finished",
     )
 
@@ -78,6 +81,7 @@ class InflightRequest:
         self.stats: RunStats | None = None
         self.fmt: Formatter | None = None
         self.loads: list[Load] = []
+        self.ticket: Ticket | None = None
         self.finished = False
 
     def begin(self, prepared: list[Prepared], n: int, fmt: Formatter) -> Context:
@@ -119,6 +123,8 @@ class InflightRequest:
         if self.finished:
             return
         self.finished = True
+        if self.ticket is not None:
+            self.ticket.release()
         for load in self.loads:
             load.free()
         m = self._metrics
