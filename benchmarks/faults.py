@@ -188,7 +188,7 @@ async def load(port: int, requests: int, concurrency: int, osl: int, streams: li
             await one(i)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    await client.close()
+    await client.aclose()
 
 
 def main() -> int:
@@ -212,7 +212,7 @@ def main() -> int:
         env,
     )
     mocker_args = ["-m", "dynamo.mocker", "--model-path", MODEL, "--model-name", NAME]
-    mocker_args += ["--speedup-ratio", "1", "--log-level", "WARNING", *PLANES]
+    mocker_args += ["--speedup-ratio", "1", "--log-level", "INFO", *PLANES]
 
     def spawn() -> Child:
         return Child(mocker_args, env)

@@ -2,8 +2,10 @@
 
 Starts the frontend and N workers (``--engine mocker``, the default, or ``pytorch``) as child
 processes sharing a temporary file-discovery directory, with the TCP request plane and the ZMQ
-event plane on 127.0.0.1, serving the demo model that ships in the package (or ``--model-path``;
-the pytorch engine needs one with weights). Every frontend and engine flag is accepted and
+event plane on 127.0.0.1 (or, with ``--discovery-backend etcd --event-plane nats``, on the etcd
+and NATS servers named, so that frontends and workers on other machines join the same stack),
+serving the demo model that ships in the package (or ``--model-path``; the pytorch engine needs
+one with weights). Every frontend and engine flag is accepted and
 passed to its process (``serve_args.py``; ``--help`` shows the groups); an unknown or invalid flag
 fails before anything starts. Ctrl-C or SIGTERM stops every child cleanly. ``--in-process`` runs
 the same stack in one process (memory discovery, in-process planes).
@@ -76,12 +78,17 @@ def _serve_processes(serve_plan: ServePlan) -> int:
         frontend_argv = [*frontend_argv, f"--http-port={args.http_port}"]
     discovery_dir = tempfile.mkdtemp(prefix="dynamo-serve-")
     env = dict(os.environ)
+    # The children read their runtime settings from these DYN_* twins (runtime/config.py).
     env.update(
         {
-            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_DISCOVERY_BACKEND": args.discovery_backend,
             "DYN_FILE_KV": discovery_dir,
+            "ETCD_ENDPOINTS": args.etcd_endpoints,
             "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq",
+            "DYN_EVENT_PLANE": args.event_plane,
+            "NATS_SERVER": args.nats_server,
+            "DYN_RUNTIME_HOST": args.runtime_host,
+            "DYN_RUNTIME_ADVERTISE_HOST": args.runtime_advertise_host,
             "DYN_NAMESPACE": args.namespace,
         }
     )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo.frontend.config import ROUTER_MODES, FrontendConfig
 from dynamo.mocker.config import MockerConfig
-from dynamo.runtime.config import add_flag
+from dynamo.runtime.config import DEFAULT_ETCD_ENDPOINTS, DEFAULT_NATS_SERVER, add_flag
 
 if TYPE_CHECKING:
     from dynamo.pytorch.config import TorchEngineConfig
@@ -201,6 +201,44 @@ def build_parser(engine: str = "mocker") -> argparse.ArgumentParser:
         help="served model name",
     )
     add_flag(own, "--namespace", default="dynamo", help="dynamo namespace")
+    add_flag(
+        own,
+        "--discovery-backend",
+        default="file",
+        choices=("file", "etcd"),
+        help="file: a temporary directory on this machine; etcd: --etcd-endpoints (many machines)",
+    )
+    add_flag(
+        own,
+        "--event-plane",
+        default="zmq",
+        choices=("zmq", "nats"),
+        help="zmq: PUB/SUB on this machine; nats: --nats-server (many machines)",
+    )
+    add_flag(
+        own,
+        "--etcd-endpoints",
+        default=DEFAULT_ETCD_ENDPOINTS,
+        env="ETCD_ENDPOINTS",
+        help="etcd client URLs, comma-separated",
+    )
+    add_flag(
+        own, "--nats-server", default=DEFAULT_NATS_SERVER, env="NATS_SERVER", help="NATS URL(s)"
+    )
+    add_flag(
+        own,
+        "--runtime-host",
+        default="127.0.0.1",
+        env="DYN_RUNTIME_HOST",
+        help="address the children's request and event planes bind",
+    )
+    add_flag(
+        own,
+        "--runtime-advertise-host",
+        default="",
+        env="DYN_RUNTIME_ADVERTISE_HOST",
+        help="address published for them (empty: the bind address)",
+    )
     add_flag(
         own,
         "--in-process",

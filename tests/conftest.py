@@ -9,3 +9,4 @@ settings.register_profile(
     "dynamo", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile("dynamo")
+pytest_plugins = ["tests.servers"]

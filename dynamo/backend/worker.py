@@ -20,6 +20,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -32,7 +33,8 @@ from dynamo.backend.status_server import StatusServer, starting_ready
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
-from dynamo.runtime.naming import EndpointId, new_instance_id
+from dynamo.runtime.naming import EndpointId, model_files_prefix, new_instance_id
+from dynamo.runtime.published_files import publish_files
 from dynamo.runtime.runtime import DistributedRuntime, ServedEndpoint
 
 log = logging.getLogger(__name__)
@@ -236,12 +238,14 @@ class Worker:
     async def _register(self) -> None:
         endpoint_id = self.config.endpoint_id()
         checksum = _tokenizer_checksum(self.config.model_path)
+        files_prefix = await self._publish_pipeline_files(checksum)
         for reg in self._regs:
             assert reg.engine_config is not None
             reg.served = await self.runtime.serve_endpoint(
                 endpoint_id, reg.adapter.handle, instance_id=reg.worker_id
             )
             card = self._model_card(endpoint_id, reg.worker_id, reg.engine_config, checksum)
+            card.files_prefix = files_prefix
             reg.card_key = endpoint_id.model_card_key(reg.worker_id)
             await self.runtime.discovery.put(
                 reg.card_key, _card_encoder.encode(card), self.runtime.lease
@@ -252,6 +256,17 @@ class Worker:
                 endpoint_id,
                 reg.worker_id,
             )
+
+    async def _publish_pipeline_files(self, checksum: str | None) -> str | None:
+        """Publish the tokenizer/template/config files for frontends on other hosts."""
+        if checksum is None:
+            return None
+        from dynamo.preprocess.model_dir import pipeline_files
+
+        prefix = model_files_prefix(checksum)
+        root = Path(self.config.model_path)
+        await publish_files(self.runtime.discovery, prefix, root, pipeline_files(root))
+        return prefix
 
     def _model_card(
         self, endpoint_id: EndpointId, worker_id: int, ec: EngineConfig, checksum: str | None

@@ -13,8 +13,10 @@ import dataclasses
 import logging
 import os
 import socket
+import tempfile
 from collections import Counter
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from granian._granian import ListenerSpec, RSGIProtocolClosed, RSGIProtocolError
@@ -41,6 +43,7 @@ from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.http_limits import raise_fd_limit
+from dynamo.runtime.published_files import fetch_files
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
@@ -195,8 +198,18 @@ class FrontendService:
         self.port = config.http_port
 
     async def _build_pipeline(self, card: ModelCard) -> ModelPipeline:
+        # The files come from discovery (published by the worker), not from a path on the
+        # worker's disk; cards without them (older workers) fall back to ``model_path``.
+        path: str | Path = card.model_path
+        if card.files_prefix is not None:
+            cache = Path(tempfile.gettempdir()) / "dynamo-model-files"
+            path = await fetch_files(
+                self.runtime.discovery,
+                card.files_prefix,
+                cache / card.files_prefix.rstrip("/").rsplit("/", 1)[-1],
+            )
         model_dir = await asyncio.to_thread(
-            load_model_dir, card.model_path, context_length=card.context_length
+            load_model_dir, path, context_length=card.context_length
         )
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length

@@ -104,6 +104,22 @@ def load_model_dir(path: str | Path, *, context_length: int | None = None) -> Mo
     )
 
 
+def _tokenizer_files(root: Path) -> list[str]:
+    names = [name for name in _CHECKSUM_FILES if (root / name).is_file()]
+    extra = root / "additional_chat_templates"
+    if extra.is_dir():
+        names += sorted(f"{extra.name}/{p.name}" for p in extra.glob("*.jinja"))
+    return names
+
+
+def pipeline_files(path: str | Path) -> list[str]:
+    """The files (relative names) :func:`load_model_dir` reads: what a frontend on another host
+    needs from the worker's model directory (never the weights)."""
+    root = Path(path)
+    extra = [name for name in ("config.json",) if (root / name).is_file()]
+    return _tokenizer_files(root) + extra
+
+
 def tokenizer_checksum(path: str | Path) -> str:
     """``sha256:<hex>`` over the tokenizer-defining files present in ``path`` (name + bytes).
 
@@ -111,11 +127,7 @@ def tokenizer_checksum(path: str | Path) -> str:
     """
     root = Path(path)
     digest = hashlib.sha256()
-    names = [name for name in _CHECKSUM_FILES if (root / name).is_file()]
-    extra = root / "additional_chat_templates"
-    if extra.is_dir():
-        names += sorted(f"{extra.name}/{p.name}" for p in extra.glob("*.jinja"))
-    for name in names:
+    for name in _tokenizer_files(root):
         data = (root / name).read_bytes()
         digest.update(f"{name}\0{len(data)}\0".encode())
         digest.update(data)

@@ -34,6 +34,9 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a frontend needs to serve a model from a worker.
 
     ``tokenizer_checksum`` identifies the tokenizer files: workers of one model must agree on it.
+    ``files_prefix`` is where the worker published those files (and ``config.json``) in
+    discovery, so a frontend on any host builds the pipeline without the worker's disk;
+    ``model_path`` is informative only when it is set.
     """
 
     served_model_name: str
@@ -51,6 +54,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     data_parallel_size: int = 1
     role: WorkerRole = WorkerRole.AGGREGATED
     tokenizer_checksum: str | None = None
+    files_prefix: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     capabilities: EngineCapabilities = msgspec.field(default_factory=EngineCapabilities)

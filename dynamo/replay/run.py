@@ -13,7 +13,6 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +107,9 @@ def run_replay(
     model, builder = prompt_builder(bench.tokenizer)
     deployment = with_model_vocabulary(deployment, model)
     workload = build_workload(bench, builder)
+    # Prompts are built lazily, as the simulation asks for them: nothing waits on a wall clock
+    # here, and only the requests in flight hold theirs.
     sessions: Iterator[Session] = workload.sessions()
-    limit = bench.request_limit
-    if limit is not None and not workload.collect_text:
-        sessions = iter(list(islice(sessions, limit)))  # prompts built before the clock runs
     decode = model.tokenizer.decode if workload.collect_text else None
     sim = Simulation(deployment, sessions, load_spec(bench), decode_text=decode)
     result = sim.run()

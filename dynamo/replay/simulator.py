@@ -96,7 +96,7 @@ class Flight:
     record: RequestRecord
     spec: RequestSpec
     runner: _Runner
-    tokens: list[int]
+    tokens: list[int]  # the prompt, until the request ends (then emptied: memory)
     routing: RoutingRecord | None = None
     last_token_at: float = 0.0
     decode_rank: _Rank | None = None  # disaggregated: where the decode runs after the prefill
@@ -548,6 +548,7 @@ class Simulation:
         """The request ended: its runner goes on, a queued request (max_concurrency) starts."""
         self._in_flight -= 1
         del self._by_id[flight.request_id]
+        flight.tokens, flight.spec.prompt = [], None  # prompts of ended requests: not kept
         runner = flight.runner
         runner.previous = flight.record
         self._push(self.now, _SEND, runner)

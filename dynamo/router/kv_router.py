@@ -27,6 +27,7 @@ from dynamo.protocol.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
+    KVCacheEvent,
     KVRecoveryResponse,
 )
 from dynamo.protocol.kv_wire import decode_batch
@@ -43,13 +44,15 @@ from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWo
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import NoInstances
-from dynamo.runtime.event_plane.base import Subscription
+from dynamo.runtime.event_plane.base import StoredEventPlane, Subscription
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
 MAX_RECOVERY_ATTEMPTS = 3
+HISTORY_WINDOW_S = 10.0  # how long stored events wait for their worker to be discovered
+HISTORY_MAX_EVENTS = 100_000  # per worker; beyond, that worker is asked for a dump
 
 _recovery_decoder = msgspec.msgpack.Decoder(KVRecoveryResponse)
 _EVENT_TYPE = {BlocksStored: "stored", BlocksRemoved: "removed", AllBlocksCleared: "cleared"}
@@ -81,6 +84,9 @@ class KVRouter:
         self._sub: Subscription | None = None
         self._recovery: EndpointClient | None = None
         self._sync: RouterReplicaSync | None = None
+        # Stored KV events by worker, read at start (JetStream), for workers not added yet:
+        # applied when discovery adds them, in place of asking each for a dump.
+        self._history: dict[int, list[KVCacheEvent]] | None = None
 
     @property
     def indexer(self) -> KVIndexer | None:
@@ -113,6 +119,9 @@ class KVRouter:
             )
             self._recovery = await self._runtime.client(recovery)
             self._sub = await self._runtime.events.subscribe(KV_EVENTS_TOPIC)
+            events = self._runtime.events
+            if isinstance(events, StoredEventPlane):
+                await self._load_history(events)
             self._events_task = asyncio.create_task(
                 self._follow_events(), name=f"kv-router-events:{self.model}"
             )
@@ -210,8 +219,34 @@ class KVRouter:
         )
         self.core.add_worker(spec)
         if self.indexer is not None and self._recovery is not None:
+            stored = self._history.pop(worker_id, None) if self._history is not None else None
+            for event in stored or ():
+                self.indexer.apply(worker_id, event)
             for rank in spec.ranks:
+                if (
+                    stored
+                    and self.indexer.last_event_id(worker_id, rank) is not None
+                    and not self.indexer.is_recovering(worker_id, rank)
+                ):
+                    continue  # the stored events were complete: nothing to ask the worker
                 self._spawn_recovery(worker_id, rank)
+
+    async def _load_history(self, events: StoredEventPlane) -> None:
+        """Read the stored KV events (before following live ones) into ``_history``; kept for
+        ``HISTORY_WINDOW_S`` (discovery reports the live workers well within it)."""
+        history: dict[int, list[KVCacheEvent]] = {}
+        async for message in events.replay(KV_EVENTS_TOPIC):
+            try:
+                batch = decode_batch(message.payload)
+            except (msgspec.DecodeError, ValueError):
+                continue
+            if batch is not None:
+                _record(history, batch.worker_id, batch.events)
+        self._history = history
+        asyncio.get_running_loop().call_later(HISTORY_WINDOW_S, self._drop_history)
+
+    def _drop_history(self) -> None:
+        self._history = None
 
     def remove_worker(self, instance_id: int) -> None:
         """Forget a departed worker: its index and load."""
@@ -229,7 +264,11 @@ class KVRouter:
             except (msgspec.DecodeError, ValueError):
                 log.warning("ignoring a malformed kv-events message")
                 continue
-            if batch is None or batch.worker_id not in self._workers:
+            if batch is None:
+                continue
+            if batch.worker_id not in self._workers:
+                if self._history is not None:  # not discovered yet: keep after the stored ones
+                    _record(self._history, batch.worker_id, batch.events)
                 continue  # another model's worker (ours are added from discovery)
             applied = self._metrics.events_applied if self._metrics is not None else None
             for event in batch.events:
@@ -296,3 +335,14 @@ class KVRouter:
             self.sequences.mark_prefill_completed(event.request_id)
         else:
             self.sequences.free(event.request_id)
+
+
+def _record(
+    history: dict[int, list[KVCacheEvent]], worker_id: int, events: list[KVCacheEvent]
+) -> None:
+    """Append, bounded: a worker with too long a history is dropped (it gets a dump instead)."""
+    kept = history.setdefault(worker_id, [])
+    if len(kept) + len(events) > HISTORY_MAX_EVENTS:
+        history[worker_id] = []
+        return
+    kept.extend(events)

@@ -8,9 +8,11 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-DISCOVERY_BACKENDS = ("memory", "file")
+DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("local", "tcp")
-EVENT_PLANES = ("local", "zmq")
+EVENT_PLANES = ("local", "zmq", "nats")
+DEFAULT_ETCD_ENDPOINTS = "http://127.0.0.1:2379"
+DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
 
 
 def env_name(flag: str) -> str:
@@ -79,7 +81,12 @@ class RuntimeConfig:
     request_plane: str = "tcp"
     event_plane: str = "zmq"
     host: str = "127.0.0.1"
+    # The address published in discovery for others to reach this process's servers; empty:
+    # the bind address (``host``), which must then be routable (not 0.0.0.0).
+    advertise_host: str = ""
     lease_ttl: float = 10.0
+    etcd_endpoints: tuple[str, ...] = (DEFAULT_ETCD_ENDPOINTS,)
+    nats_server: str = DEFAULT_NATS_SERVER
 
     def __post_init__(self) -> None:
         if self.discovery_backend not in DISCOVERY_BACKENDS:
@@ -90,6 +97,13 @@ class RuntimeConfig:
             raise ValueError(f"event plane must be one of {EVENT_PLANES}")
         if self.lease_ttl <= 0:
             raise ValueError("lease TTL must be positive")
+        if not self.etcd_endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+
+    @property
+    def published_host(self) -> str:
+        """The host other processes use to reach this one's servers."""
+        return self.advertise_host or self.host
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +139,29 @@ class RuntimeConfig:
             "--runtime-host",
             default=d.host,
             env="DYN_RUNTIME_HOST",
-            help="address the request and event planes bind and advertise",
+            help="address the request and event planes bind",
+        )
+        add_flag(
+            g,
+            "--runtime-advertise-host",
+            default=d.advertise_host,
+            env="DYN_RUNTIME_ADVERTISE_HOST",
+            help="address published in discovery for the request and event planes "
+            "(empty: the bind address)",
+        )
+        add_flag(
+            g,
+            "--etcd-endpoints",
+            default=",".join(d.etcd_endpoints),
+            env="ETCD_ENDPOINTS",
+            help="comma-separated etcd client URLs (discovery backend etcd)",
+        )
+        add_flag(
+            g,
+            "--nats-server",
+            default=d.nats_server,
+            env="NATS_SERVER",
+            help="NATS server URL(s), comma-separated (event plane nats)",
         )
         add_flag(
             g, "--lease-ttl", default=d.lease_ttl, type=float, help="discovery lease TTL in seconds"
@@ -140,5 +176,8 @@ class RuntimeConfig:
             request_plane=args.request_plane,
             event_plane=args.event_plane,
             host=args.runtime_host,
+            advertise_host=args.runtime_advertise_host,
             lease_ttl=args.lease_ttl,
+            etcd_endpoints=tuple(e.strip() for e in args.etcd_endpoints.split(",") if e.strip()),
+            nats_server=args.nats_server,
         )

@@ -69,3 +69,8 @@ def event_publishers_prefix(namespace: str) -> str:
 def new_instance_id() -> int:
     """A random positive 63-bit id (unique across processes with overwhelming probability)."""
     return random.SystemRandom().getrandbits(63) or os.getpid()
+
+
+def model_files_prefix(tokenizer_checksum: str) -> str:
+    """Discovery prefix of a model's published pipeline files (content-addressed)."""
+    return f"v1/model_files/{tokenizer_checksum.removeprefix('sha256:')}/"

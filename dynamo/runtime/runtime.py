@@ -14,16 +14,22 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nats.aio.client import Client as NatsClient
+
+from dynamo.protocol.kv_events import KV_EVENTS_TOPIC
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.discovery.base import Discovery, Lease
+from dynamo.runtime.discovery.etcd import EtcdDiscovery
 from dynamo.runtime.discovery.file import FileDiscovery
 from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
 from dynamo.runtime.endpoint import InstanceInfo, encode_instance
 from dynamo.runtime.event_plane.base import EventPlane
 from dynamo.runtime.event_plane.local import LocalEventBus, LocalEventPlane
+from dynamo.runtime.event_plane.nats import NatsEventPlane
 from dynamo.runtime.event_plane.zmq import ZmqEventPlane
 from dynamo.runtime.naming import EndpointId, new_instance_id
+from dynamo.runtime.nats_client import connect_nats
 from dynamo.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
 from dynamo.runtime.request_plane.local import (
     LocalHub,
@@ -32,6 +38,13 @@ from dynamo.runtime.request_plane.local import (
 )
 from dynamo.runtime.request_plane.tcp_client import TCPRequestPlaneClient
 from dynamo.runtime.request_plane.tcp_server import TCPRequestPlaneServer
+from dynamo.runtime.work_queue.base import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_REDELIVERY_TIMEOUT,
+    WorkQueue,
+)
+from dynamo.runtime.work_queue.jetstream import JetStreamWorkQueue
+from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,7 @@ class InProcessHub:
     store: MemoryStore = field(default_factory=MemoryStore)
     requests: LocalHub = field(default_factory=LocalHub)
     events: LocalEventBus = field(default_factory=LocalEventBus)
+    queues: LocalQueueStore = field(default_factory=LocalQueueStore)
 
 
 @dataclass
@@ -68,10 +82,12 @@ class DistributedRuntime:
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._events: EventPlane | None = None
+        self._nats: NatsClient | None = None
         self._server: RequestPlaneServer | None = None
         self._transport: RequestPlaneClient | None = None
         self._served: dict[tuple[EndpointId, int], ServedEndpoint] = {}
         self._clients: list[EndpointClient] = []
+        self._queues: list[WorkQueue] = []
         self._started = False
         self._stopped = False
         self._lease_watch: asyncio.Task[None] | None = None
@@ -93,6 +109,8 @@ class DistributedRuntime:
         self._discovery = self._make_discovery()
         self._lease = await self._discovery.grant_lease(self.config.lease_ttl)
         self._lease_watch = asyncio.create_task(self._watch_lease(), name="runtime-lease-watch")
+        if self.config.event_plane == "nats":
+            self._nats = await connect_nats(self.config.nats_server, name=self.namespace)
         self._events = self._make_event_plane()
         await self._events.start()
 
@@ -129,10 +147,14 @@ class DistributedRuntime:
             await self._server.stop()
         for client in self._clients:
             await client.close()
+        for queue in self._queues:
+            await queue.close()
         if self._transport is not None:
             await self._transport.close()
         if self._events is not None:
             await self._events.close()
+        if self._nats is not None:
+            await self._nats.close()
         if self._lease is not None:
             await self._lease.revoke()
         if self._discovery is not None:
@@ -211,30 +233,77 @@ class DistributedRuntime:
         self._clients.append(client)
         return client
 
+    async def work_queue(
+        self,
+        name: str,
+        *,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        redelivery_timeout: float = DEFAULT_REDELIVERY_TIMEOUT,
+    ) -> WorkQueue:
+        """A started handle on the namespace's work queue ``name``; closed with the runtime.
+
+        Every process of the namespace that opens ``name`` shares one queue. Its limits are set
+        by the first opener; later openers must pass the same ones.
+        """
+        queue = self._make_work_queue(
+            f"{self.namespace}.{name}", max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        )
+        await queue.start()
+        self._queues.append(queue)
+        return queue
+
     # -- backend choice (the one place) --------------------------------------------------
     def _make_discovery(self) -> Discovery:
         backend = self.config.discovery_backend
         if backend == "memory":
             assert self._hub is not None
             return MemoryDiscovery(self._hub.store)
+        if backend == "etcd":
+            return EtcdDiscovery(list(self.config.etcd_endpoints))
         return FileDiscovery(self.config.discovery_dir)
 
     def _make_event_plane(self) -> EventPlane:
         if self.config.event_plane == "local":
             assert self._hub is not None
             return LocalEventPlane(self._hub.events)
+        if self.config.event_plane == "nats":
+            assert self._nats is not None
+            return NatsEventPlane(
+                self._nats, self.config.namespace, stored_topics=(KV_EVENTS_TOPIC,)
+            )
         return ZmqEventPlane(
-            self.discovery, self.config.namespace, host=self.config.host, lease=self.lease
+            self.discovery,
+            self.config.namespace,
+            host=self.config.host,
+            advertise_host=self.config.advertise_host,
+            lease=self.lease,
         )
 
     def _make_server(self) -> RequestPlaneServer:
         if self.config.request_plane == "local":
             assert self._hub is not None
             return LocalRequestPlaneServer(self._hub.requests)
-        return TCPRequestPlaneServer(host=self.config.host, port=0)
+        return TCPRequestPlaneServer(
+            host=self.config.host, port=0, advertise_host=self.config.advertise_host
+        )
 
     def _make_transport(self) -> RequestPlaneClient:
         if self.config.request_plane == "local":
             assert self._hub is not None
             return LocalRequestPlaneClient(self._hub.requests)
         return TCPRequestPlaneClient()
+
+    def _make_work_queue(
+        self, name: str, *, max_depth: int, redelivery_timeout: float
+    ) -> WorkQueue:
+        if self._nats is not None:
+            return JetStreamWorkQueue(
+                self._nats, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout
+            )
+        if self._hub is None:
+            raise ValueError(
+                "work queues need --event-plane nats (JetStream) or the one-process shape"
+            )
+        return LocalWorkQueue(
+            self._hub.queues, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        )

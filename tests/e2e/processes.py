@@ -23,10 +23,14 @@ def free_port() -> int:
 class Child:
     """A child process whose output lines are collected by a reader thread."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], *, prefix: tuple[str, ...] = ()
+    ) -> None:
+        """``prefix`` wraps the command (``("ip", "netns", "exec", NAME)``: run it inside a
+        network namespace; ``ip netns exec`` execs, so signals reach the child itself)."""
         self.args = args
         self.popen = subprocess.Popen(
-            [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,

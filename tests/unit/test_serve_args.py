@@ -32,7 +32,8 @@ def no_children(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--workers", "0"], "--workers must be at least 1"),
         (["--model-path", "/nonexistent/model"], "no tokenizer.json"),
         (["--system-port", "9100", "--workers", "2"], "same port for all 2 workers"),
-        (["--discovery-backend", "memory"], "unrecognized arguments"),  # serve wires the planes
+        (["--discovery-backend", "memory"], "invalid choice"),  # file or etcd only
+        (["--request-plane", "local"], "unrecognized arguments"),  # serve wires the planes
     ],
 )
 def test_bad_flags_fail_before_anything_starts(

@@ -15,6 +15,8 @@ class QueueWatch:
     and :meth:`end` when it shuts down; iteration then stops. ``close()`` is the consumer's side.
     """
 
+    OnClose = Callable[["QueueWatch"], None]
+
     def __init__(
         self,
         prefix: str,

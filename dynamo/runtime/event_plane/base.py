@@ -10,7 +10,7 @@ including publishers that appear after it subscribed.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -41,3 +41,15 @@ class EventPlane(Protocol):
     async def subscribe(self, topic_prefix: str) -> Subscription: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StoredEventPlane(Protocol):
+    """An event plane that also keeps some topics' messages (NATS JetStream): a receiver that
+    starts late reads what was published before it subscribed instead of asking every
+    publisher for its state."""
+
+    def replay(self, topic: str) -> AsyncIterator[EventMessage]:
+        """The stored messages of ``topic``, oldest first, up to those stored when called
+        (retention may have dropped the oldest: receivers see that as a seq/id gap)."""
+        ...

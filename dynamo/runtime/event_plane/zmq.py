@@ -126,8 +126,9 @@ class ZmqSubscription:
 class ZmqEventPlane:
     """:class:`EventPlane` over ZMQ PUB/SUB, with publishers found through ``discovery``.
 
-    ``start()`` binds the PUB socket on ``tcp://{host}:0`` (``host`` must be reachable by peers)
-    and advertises it under ``lease``; without one, the plane grants and owns a lease of
+    ``start()`` binds the PUB socket on ``tcp://{host}:0`` and advertises it, with
+    ``advertise_host`` (default ``host``: then it must be reachable by peers) in place of the bind
+    address, under ``lease``; without one, the plane grants and owns a lease of
     ``lease_ttl`` seconds. Either way the advertisement vanishes when the process dies.
     ``close()`` withdraws it, closes every socket and awaits its task.
     """
@@ -138,6 +139,7 @@ class ZmqEventPlane:
         namespace: str,
         *,
         host: str = "127.0.0.1",
+        advertise_host: str = "",
         lease: Lease | None = None,
         lease_ttl: float = 10.0,
         sndhwm: int = DEFAULT_SNDHWM,
@@ -145,6 +147,7 @@ class ZmqEventPlane:
     ) -> None:
         self._discovery = discovery
         self._host = host
+        self._advertise_host = advertise_host
         self._lease = lease
         self._lease_ttl = lease_ttl
         self._own_lease: Lease | None = None
@@ -184,6 +187,10 @@ class ZmqEventPlane:
         try:
             pub.bind(f"tcp://[{self._host}]:0" if ":" in self._host else f"tcp://{self._host}:0")
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self._advertise_host:
+                port = self.endpoint.rsplit(":", 1)[1]
+                host = self._advertise_host
+                self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
             lease = self._lease
             if lease is None:
                 lease = self._own_lease = await self._discovery.grant_lease(self._lease_ttl)

@@ -190,6 +190,7 @@ class TCPRequestPlaneServer:
         max_inflight: int | None = None,
         max_connections: int | None = None,
         frame_timeout_s: float | None = None,
+        advertise_host: str = "",
     ) -> None:
         """``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
         running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks.
@@ -197,8 +198,11 @@ class TCPRequestPlaneServer:
         ``Overloaded`` error frame and is closed. ``frame_timeout_s``
         (``DYN_TCP_FRAME_TIMEOUT_SECS``, 30): a connection that sends no first frame, or stops
         in the middle of one, for that long is closed (idle pooled connections between frames
-        are left alone)."""
+        are left alone). ``advertise_host`` (default: ``host``) is the host in :attr:`address`,
+        what peers dial: set it when binding a wildcard or an address others reach through
+        NAT."""
         self.host = host
+        self.advertise_host = advertise_host or host
         self.port = port
         self.max_frame_size = max_frame_size or codec.default_max_frame_size()
         self.max_inflight = max_inflight or int(os.environ.get("DYN_TCP_MAX_INFLIGHT", "16384"))
@@ -220,7 +224,8 @@ class TCPRequestPlaneServer:
     def address(self) -> str:
         if self._server is None:
             raise RuntimeError("the request-plane server is not started")
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        advertised = self.advertise_host
+        host = f"[{advertised}]" if ":" in advertised else advertised
         return f"tcp://{host}:{self.port}"
 
     async def start(self) -> None:
