@@ -8,7 +8,7 @@ PYTHON ?= python3
 $(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,pytorch]'
+	$(PY) -m pip install -q -e '.[test,bench,pytorch,otlp]'
 	touch $@
 
 run: $(VENV)/.installed

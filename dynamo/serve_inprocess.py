@@ -10,11 +10,12 @@ import asyncio
 import dataclasses
 import signal
 
-from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.run import run_async
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
 from dynamo.mocker.__main__ import build_worker
 from dynamo.mocker.config import MockerConfig
+from dynamo.observability.logging import configure_logging
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
 from dynamo.serve_args import ServePlan
@@ -22,7 +23,7 @@ from dynamo.serve_args import ServePlan
 
 def serve_in_process(serve_plan: ServePlan) -> int:
     """Run the validated plan in this process (the planes' flags do not apply here)."""
-    configure_logging("INFO")
+    configure_logging(getattr(serve_plan.args, "both:log_level"))
     runtime_config = RuntimeConfig(
         namespace=serve_plan.args.namespace,
         discovery_backend="memory",

@@ -7,8 +7,9 @@ import argparse
 import sys
 
 from dynamo.backend.kv_publisher import KVPublisher
-from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.run import run_async
 from dynamo.backend.worker import Worker, WorkerConfig
+from dynamo.observability.logging import add_log_flag, configure_logging
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import ConstraintFactory, TorchEngine
 from dynamo.pytorch.metrics import EngineCollector
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         parser, "--system-host", default="0.0.0.0", env="DYN_SYSTEM_HOST", help="status server"
     )
-    add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_log_flag(parser)
     return parser
 
 
@@ -90,8 +91,8 @@ def build_worker(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
     try:
+        configure_logging(args.log_level)
         config = TorchEngineConfig.from_args(args)
         if not config.model_path:
             raise ValueError("--model-path is required")
