@@ -16,6 +16,7 @@ from dynamo.frontend.config import FrontendConfig
 from dynamo.mocker.__main__ import build_worker
 from dynamo.mocker.config import MockerConfig
 from dynamo.observability.logging import configure_logging
+from dynamo.observability.tracing import setup_tracing
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
 from dynamo.serve_args import ServePlan
@@ -23,7 +24,8 @@ from dynamo.serve_args import ServePlan
 
 def serve_in_process(serve_plan: ServePlan) -> int:
     """Run the validated plan in this process (the planes' flags do not apply here)."""
-    configure_logging(getattr(serve_plan.args, "both:log_level"))
+    configure_logging(getattr(serve_plan.args, "both:log_level", None))
+    setup_tracing("dynamo-serve")
     runtime_config = RuntimeConfig(
         namespace=serve_plan.args.namespace,
         discovery_backend="memory",

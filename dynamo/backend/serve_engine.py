@@ -20,6 +20,7 @@ from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.run import run_async
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
+from dynamo.observability.tracing import setup_tracing
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.naming import EndpointId
@@ -143,6 +144,7 @@ def serve_engine(
     options = ServeOptions.from_args(args)
     try:
         configure_logging(options.log_level)
+        setup_tracing(name.replace(" ", "-"))
         worker = build_served_worker(engine_factory, spec, RuntimeConfig.from_args(args), options)
     except (ValueError, OSError) as exc:
         print(f"{name}: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from dynamo.backend.run import run_async
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
+from dynamo.observability.tracing import setup_tracing
 
 
 async def serve(config: FrontendConfig) -> None:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         configure_logging(args.log_level)
+        setup_tracing("dynamo-frontend")
         config = FrontendConfig.from_args(args)
     except ValueError as exc:
         print(f"dynamo frontend: {exc}", file=sys.stderr)

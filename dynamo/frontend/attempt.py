@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ import msgspec
 
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.pipeline import ChoiceStats
+from dynamo.observability import tracing
 from dynamo.protocol.model_card import ModelCard
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints
@@ -96,6 +97,30 @@ def placed(request: PreprocessedRequest, selection: Selection) -> PreprocessedRe
     return msgspec.structs.replace(request, routing=new_hints)
 
 
+ROUTER_MODES = {
+    "KVRouter": "kv",
+    "RoundRobinRouter": "round-robin",
+    "RandomRouter": "random",
+}
+
+
+def route(router: Router, request: PreprocessedRequest, live: Sequence[ModelCard]) -> Selection:
+    """``router.select`` inside the request's ``route`` span (router mode, chosen worker, DP
+    rank, overlap blocks, cost)."""
+    mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
+    with tracing.tracer().start_as_current_span(
+        "route", attributes={"router_mode": mode, "candidates": len(live)}
+    ) as span:
+        selection = router.select(request, live)
+        span.set_attribute("worker_id", f"{selection.instance_id:x}")
+        if selection.dp_rank is not None:
+            span.set_attribute("dp_rank", selection.dp_rank)
+        span.set_attribute("overlap_blocks", selection.overlap_blocks)
+        if selection.cost is not None:
+            span.set_attribute("cost", selection.cost)
+    return selection
+
+
 async def attempts(
     entry: ModelEntry[ModelPipeline],
     request: PreprocessedRequest,
@@ -115,7 +140,8 @@ async def attempts(
     attempt on another instance with the tokens already yielded appended to the prompt.
     """
     router = entry.router
-    selection = router.select(request, candidates(entry))
+    selection = route(router, request, candidates(entry))
+    request = tracing.with_traceparent(request)
     stats.selection = selection
     stats.dispatched_at = time.monotonic()
     load = Load(router, request.request_id or ctx.id)
@@ -167,6 +193,9 @@ async def attempts(
                         watchdog = None
             if not load.prefilled and any(o.token_ids for o in outs):
                 load.first_token()
+                for o in outs:
+                    if o.worker_trace_link is not None:
+                        stats.trace_link = o.worker_trace_link
             yield outs
     finally:
         if watchdog is not None:

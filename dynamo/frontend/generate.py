@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import msgspec
+from opentelemetry import context as otel_context
 
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.capabilities import check_supported, serving_capabilities
@@ -35,6 +36,7 @@ from dynamo.frontend.streaming import (
     usage,
 )
 from dynamo.frontend.timing import timing_info
+from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Prepared
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -94,6 +96,17 @@ class GenerateHandler:
         inflight = InflightRequest(
             http, self._m, endpoint, namespace=self.namespace, on_finish=self._live.discard
         )
+        # The request's span is current for this handler task (its log lines carry the trace
+        # id; the worker's spans join it through the request's traceparent).
+        token = otel_context.attach(tracing.in_span(inflight.span))
+        try:
+            await self._admit_and_serve(http, endpoint, inflight)
+        finally:
+            otel_context.detach(token)
+
+    async def _admit_and_serve(
+        self, http: Exchange, endpoint: str, inflight: InflightRequest
+    ) -> None:
         if self.draining:
             inflight.fail(http, NoInstances("the frontend is shutting down"))
             return
@@ -115,8 +128,10 @@ class GenerateHandler:
                 assert entry.pipeline is not None  # get() returns servable models only
                 check_supported(req, serving_capabilities(entry.cards_of(entry.serving_role())))
                 preprocessor = entry.pipeline.preprocessor
-                prepared = prepare_request(preprocessor, req, inflight.engine_id)
-                extras = response_extras(req, prepared, preprocessor.tokenizer)
+                with tracing.tracer().start_as_current_span("preprocess") as span:
+                    prepared = prepare_request(preprocessor, req, inflight.engine_id)
+                    extras = response_extras(req, prepared, preprocessor.tokenizer)
+                    span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)
                 return

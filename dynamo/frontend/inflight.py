@@ -4,23 +4,30 @@ It holds the request's ids, its ``Context``, its timing and usage (``RunStats``)
 and the router loads its attempts added. ``finish()`` is idempotent and the only place that
 records the request's metrics (``requests_total`` exactly once, whatever the path: rejection,
 validation error, engine error before or after the first token, disconnect, success) and frees
-its router load (each load exactly once). Tracing (a later issue) ends the request's span there.
+its router load (each load exactly once), and ends the request's root span (``http-request``,
+opened at arrival under the client's W3C ``traceparent`` if it sent one).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from dynamo.frontend.attempt import Load
 from dynamo.frontend.errors import to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.pipeline import ChoiceStats, RunStats
 from dynamo.frontend.streaming import JSON_HEADERS, Formatter
+from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics, observe_many
 from dynamo.preprocess import Prepared
 from dynamo.runtime.context import Context
+
+log = logging.getLogger(__name__)
 
 
 class InflightRequest:
@@ -43,6 +50,7 @@ class InflightRequest:
         "fmt",
         "loads",
         "finished",
+        "span",
     )
 
     def __init__(
@@ -79,6 +87,18 @@ class InflightRequest:
         self.fmt: Formatter | None = None
         self.loads: list[Load] = []
         self.finished = False
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := http.header(k))}
+        self.span = tracing.tracer().start_span(
+            "http-request",
+            context=tracing.context_from_headers(carrier) if carrier else None,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.method": "POST",
+                "endpoint": endpoint,
+                "request_id": self.request_id,
+                "x_request_id": client_id or "",
+            },
+        )
 
     def begin(self, prepared: list[Prepared], n: int, fmt: Formatter) -> Context:
         """Generation starts: the request's context, stats and formatter; the gauges go up."""
@@ -140,5 +160,16 @@ class InflightRequest:
                 observe_many(itl, choice.itls)
             if stats.cached_tokens is not None:
                 m.cached_tokens.labels(model).observe(stats.cached_tokens)
+        span = self.span
+        # The handler's task has the request span current: this line carries its trace id.
+        log.debug("request %s finished: %s %s", self.request_id, status, error_type or "-")
+        span.set_attribute("model", model)
+        span.set_attribute("request_type", self.request_type)
+        span.set_attribute("status", status)
+        if error_type:
+            span.set_attribute("error_type", error_type)
+            if error_type != "cancelled":
+                span.set_status(Status(StatusCode.ERROR, error_type))
+        span.end()
         if self._on_finish is not None:
             self._on_finish(self)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from dynamo.frontend.logprobs import TokenLogprobs
 from dynamo.preprocess import Preprocessor
+from dynamo.protocol.request import TraceLink
 from dynamo.router.basic import Selection
 
 
@@ -49,6 +50,9 @@ class ChoiceStats:
     dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
+    # The worker's engine.generate span of the latest attempt: a retry links to it
+    # (``tracing.with_predecessor``).
+    trace_link: TraceLink | None = None
 
 
 @dataclass(slots=True)

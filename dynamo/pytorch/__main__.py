@@ -10,6 +10,7 @@ from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.run import run_async
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
+from dynamo.observability.tracing import setup_tracing
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import ConstraintFactory, TorchEngine
 from dynamo.pytorch.metrics import EngineCollector
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         configure_logging(args.log_level)
+        setup_tracing("dynamo-pytorch")
         config = TorchEngineConfig.from_args(args)
         if not config.model_path:
             raise ValueError("--model-path is required")

@@ -184,7 +184,7 @@ class KVRouter:
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )
-        return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks)
+        return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 
     def on_first_token(self, request_id: str) -> None:
         if self.sequences.mark_prefill_completed(request_id) and self._sync is not None:
