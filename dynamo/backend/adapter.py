@@ -74,14 +74,20 @@ class EngineAdapter:
             kind=SpanKind.SERVER,
             attributes={"request_id": request.request_id or ctx.id, "model": request.model},
         )
+        sent = 0
         try:
             async for output in self.generate(request, ctx, parent=span):
-                yield encode(output)
+                chunk = encode(output)
+                sent += len(chunk)
+                yield chunk
         except DynamoError as exc:
             span.set_status(Status(StatusCode.ERROR, f"{exc.kind}: {exc}"))
             raise
         finally:
             span.end()
+            if self.metrics is not None:
+                self.metrics.request_bytes.inc(len(body))
+                self.metrics.response_bytes.inc(sent)
 
     async def generate(
         self, request: PreprocessedRequest, ctx: Context, parent: Span | None = None

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from granian._granian import ListenerSpec
@@ -25,7 +25,7 @@ from dynamo.frontend.generate import GenerateHandler
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
-from dynamo.observability.metrics import FrontendMetrics, RouterMetrics
+from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
 from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
@@ -133,6 +133,7 @@ class FrontendService:
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry)
+        WorkerLoadGauges(self.metrics.prefix, self.metrics.registry, self._worker_loads)
         self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
             self.runtime,
             self._build_pipeline,
@@ -164,7 +165,23 @@ class FrontendService:
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
         )
-        return ModelPipeline(card.served_model_name, preprocessor)
+        return ModelPipeline(card.served_model_name, preprocessor, self.metrics)
+
+    def _worker_loads(self) -> Iterator[tuple[int, int, str, int, int]]:
+        """Each KV router's view of its workers' load (the ``worker_active_*`` gauges)."""
+        for entry in self.registry.models():
+            for role, router in list(entry.routers.items()):
+                if not isinstance(router, KVRouter):
+                    continue
+                seqs = router.sequences
+                for worker_id, dp_rank in seqs.ranks():
+                    yield (
+                        worker_id,
+                        dp_rank,
+                        role.value,
+                        seqs.active_decode_blocks(worker_id, dp_rank),
+                        seqs.active_prefill_tokens(worker_id, dp_rank),
+                    )
 
     async def _make_router(self, card: ModelCard) -> Router:
         """A router for the workers of ``card``'s role (the registry closes it on retirement)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ import msgspec
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.pipeline import ChoiceStats
 from dynamo.observability import tracing
+from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.model_card import ModelCard
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints
@@ -104,13 +106,21 @@ ROUTER_MODES = {
 }
 
 
-def route(router: Router, request: PreprocessedRequest, live: Sequence[ModelCard]) -> Selection:
+def route(
+    router: Router,
+    request: PreprocessedRequest,
+    live: Sequence[ModelCard],
+    metrics: FrontendMetrics | None = None,
+) -> Selection:
     """``router.select`` inside the request's ``route`` span (router mode, chosen worker, DP
-    rank, overlap blocks, cost)."""
+    rank, overlap blocks, cost) and ``route`` stage metrics."""
     mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
-    with tracing.tracer().start_as_current_span(
-        "route", attributes={"router_mode": mode, "candidates": len(live)}
-    ) as span:
+    with (
+        metrics.stage("route") if metrics is not None else nullcontext(),
+        tracing.tracer().start_as_current_span(
+            "route", attributes={"router_mode": mode, "candidates": len(live)}
+        ) as span,
+    ):
         selection = router.select(request, live)
         span.set_attribute("worker_id", f"{selection.instance_id:x}")
         if selection.dp_rank is not None:
@@ -140,7 +150,8 @@ async def attempts(
     attempt on another instance with the tokens already yielded appended to the prompt.
     """
     router = entry.router
-    selection = route(router, request, candidates(entry))
+    metrics = entry.pipeline.metrics if entry.pipeline is not None else None
+    selection = route(router, request, candidates(entry), metrics)
     request = tracing.with_traceparent(request)
     stats.selection = selection
     stats.dispatched_at = time.monotonic()
@@ -149,6 +160,7 @@ async def attempts(
     client = entry.clients[entry.serving_role()]
     body = _request_encoder.encode(placed(request, selection))
     stream = client.stream_batches(body, ctx, instance_id=selection.instance_id)
+    dispatch = _DispatchStage(metrics, entry.serving_role().value)
     receive = stream.__anext__
     decode = _output_decoder.decode
     watchdog: IdleTimer | None = None
@@ -185,6 +197,7 @@ async def attempts(
             outs = [decode(b) for b in raw] if len(raw) > 1 else [decode(raw[0])]
             if first:
                 first = False
+                dispatch.done()
                 if watchdog is not None:
                     if timeouts.inter_chunk_s > 0:
                         watchdog.set_period(timeouts.inter_chunk_s)
@@ -198,7 +211,32 @@ async def attempts(
                         stats.trace_link = o.worker_trace_link
             yield outs
     finally:
+        dispatch.done()
         if watchdog is not None:
             watchdog.cancel()
         await stream.aclose()
         load.free()
+
+
+_PHASES = {"agg": "aggregated", "prefill": "prefill", "decode": "decode"}
+
+
+class _DispatchStage:
+    """The ``dispatch`` stage of one attempt: sent, until its first response (or its end)."""
+
+    __slots__ = ("_metrics", "_phase", "_started")
+
+    def __init__(self, metrics: FrontendMetrics | None, role: str) -> None:
+        self._metrics = metrics
+        self._phase = _PHASES.get(role, role)
+        self._started: float | None = None
+        if metrics is not None:
+            metrics.stage_requests.labels("dispatch", self._phase).inc()
+            self._started = time.perf_counter()
+
+    def done(self) -> None:
+        if self._metrics is not None and self._started is not None:
+            self._metrics.stage_requests.labels("dispatch", self._phase).dec()
+            elapsed = time.perf_counter() - self._started
+            self._metrics.stage_duration.labels("dispatch").observe(elapsed)
+            self._started = None

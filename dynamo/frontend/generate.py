@@ -128,9 +128,16 @@ class GenerateHandler:
                 assert entry.pipeline is not None  # get() returns servable models only
                 check_supported(req, serving_capabilities(entry.cards_of(entry.serving_role())))
                 preprocessor = entry.pipeline.preprocessor
-                with tracing.tracer().start_as_current_span("preprocess") as span:
+                inflight.worker_type = entry.serving_role().value
+                with (
+                    self._m.stage("preprocess"),
+                    tracing.tracer().start_as_current_span("preprocess") as span,
+                ):
+                    began = time.perf_counter()
                     prepared = prepare_request(preprocessor, req, inflight.engine_id)
                     extras = response_extras(req, prepared, preprocessor.tokenizer)
+                    elapsed_ms = (time.perf_counter() - began) * 1000.0
+                    self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)
@@ -176,6 +183,7 @@ class GenerateHandler:
         except Exception as exc:
             inflight.fail(http, exc, self._overload_status)
             return
+        inflight.first_response()
         sink = KeepAliveSink(
             http.start_stream(200, [*SSE_HEADERS, *inflight.id_headers]), self._keep_alive_s
         )
@@ -241,6 +249,7 @@ class GenerateHandler:
         )
         try:
             async for delta in deltas:
+                inflight.first_response()
                 texts[delta.index].append(delta.text)
                 logprobs[delta.index].append(delta.logprobs)
                 if delta.finish_reason is not None:

@@ -51,6 +51,8 @@ class InflightRequest:
         "loads",
         "finished",
         "span",
+        "queued",
+        "worker_type",
     )
 
     def __init__(
@@ -87,6 +89,8 @@ class InflightRequest:
         self.fmt: Formatter | None = None
         self.loads: list[Load] = []
         self.finished = False
+        self.queued = False  # admitted, no response yet (the queued_requests gauge)
+        self.worker_type = ""  # the serving role of the model (worker_* gauges)
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := http.header(k))}
         self.span = tracing.tracer().start_span(
             "http-request",
@@ -109,9 +113,19 @@ class InflightRequest:
             started_at=self.started,
         )
         self.fmt = fmt
-        self._metrics.active_requests.labels(self.model).inc()
-        self._metrics.inflight_requests.labels(self.model).inc()
+        m = self._metrics
+        m.active_requests.labels(self.model).inc()
+        m.inflight_requests.labels(self.model).inc()
+        m.requests_started.labels(self.model, self.endpoint, self.request_type).inc()
+        m.queued_requests.labels(self.model).inc()
+        self.queued = True
         return self.ctx
+
+    def first_response(self) -> None:
+        """The first response came back: the request is no longer queued. Idempotent."""
+        if self.queued:
+            self.queued = False
+            self._metrics.queued_requests.labels(self.model).dec()
 
     def stop(self) -> None:
         """Ask the request to stop (shutdown, client gone): the engines abort."""
@@ -134,6 +148,19 @@ class InflightRequest:
         self._metrics.model_cancellation.labels(self.model, self.endpoint, self.request_type).inc()
         self.finish("error", "cancelled")
 
+    def _per_worker(self, stats: RunStats) -> None:
+        """The ``worker_last_*`` gauges of the workers that served the request's choices."""
+        m = self._metrics
+        for choice in stats.choices:
+            sel = choice.selection
+            if sel is None or choice.first_token_at is None:
+                continue
+            key = (f"{sel.instance_id:x}", str(sel.dp_rank or 0), self.worker_type)
+            m.worker_last_ttft.labels(*key).set(choice.first_token_at - self.started)
+            m.worker_last_isl.labels(*key).set(stats.prompt_tokens)
+            if choice.itls:
+                m.worker_last_itl.labels(*key).set(sum(choice.itls) / len(choice.itls))
+
     def finish(self, status: str = "success", error_type: str = "") -> None:
         """Record the outcome and free what the request holds. Idempotent: the first call wins."""
         if self.finished:
@@ -144,6 +171,9 @@ class InflightRequest:
         m = self._metrics
         model = self.model
         m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
+        if status == "error":
+            m.failures.labels(model, self.endpoint, self.request_type, error_type).inc()
+        self.first_response()
         stats = self.stats
         if stats is not None:
             m.active_requests.labels(model).dec()
@@ -160,6 +190,9 @@ class InflightRequest:
                 observe_many(itl, choice.itls)
             if stats.cached_tokens is not None:
                 m.cached_tokens.labels(model).observe(stats.cached_tokens)
+                if stats.prompt_tokens:
+                    m.kv_hit_rate.labels(model).observe(stats.cached_tokens / stats.prompt_tokens)
+            self._per_worker(stats)
         span = self.span
         # The handler's task has the request span current: this line carries its trace id.
         log.debug("request %s finished: %s %s", self.request_id, status, error_type or "-")

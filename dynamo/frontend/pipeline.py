@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from dynamo.frontend.logprobs import TokenLogprobs
+from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Preprocessor
 from dynamo.protocol.request import TraceLink
 from dynamo.router.basic import Selection
@@ -25,6 +26,7 @@ class ModelPipeline:
 
     name: str
     preprocessor: Preprocessor
+    metrics: FrontendMetrics | None = None  # the frontend's (stage timings of routing)
 
 
 @dataclass(slots=True)
