@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean chromium
 
 $(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check dynamo tests benchmarks scripts
 	$(VENV)/bin/mypy dynamo
 
-test: lint
+# The dashboard's browser test needs a headless Chromium (skipped without one).
+chromium:
+	sh scripts/install_chromium.sh
+
+test: lint chromium
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 clean:

@@ -19,6 +19,7 @@ from granian.server.embed import Server
 
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.config import FrontendConfig
+from dynamo.frontend.dashboard import Dashboard
 from dynamo.frontend.errors import HTTPError
 from dynamo.frontend.exchange import StreamSink
 from dynamo.frontend.generate import GenerateHandler
@@ -151,8 +152,14 @@ class FrontendService:
             timeouts=Timeouts(config.first_response_timeout_s, config.inter_chunk_timeout_s),
             keep_alive_s=config.sse_keep_alive_s,
         )
+        self.dashboard = Dashboard(self.registry, self.metrics, self._worker_loads)
+        self.generate.observers.append(self.dashboard.observe)
         self.routes = Routes(
-            self.registry, self.metrics, self.generate, overload_status=config.overload_status
+            self.registry,
+            self.metrics,
+            self.generate,
+            overload_status=config.overload_status,
+            dashboard=self.dashboard,
         )
         self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -227,6 +234,7 @@ class FrontendService:
         if self._owns_runtime:
             await self.runtime.start()
         await self.registry.start()
+        await self.dashboard.start(self.runtime)
         self._server = _Server(
             self,
             address=self.config.http_host,
@@ -278,6 +286,7 @@ class FrontendService:
             except (TimeoutError, asyncio.CancelledError):
                 log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
+        await self.dashboard.close()
         await self.registry.close()  # closes the models' routers too
         if self._owns_runtime:
             await self.runtime.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import msgspec
 from opentelemetry import context as otel_context
@@ -74,6 +75,8 @@ class GenerateHandler:
         self.namespace = namespace
         self.draining = False
         self._live: set[InflightRequest] = set()
+        # Called once with every finished request (the dashboard).
+        self.observers: list[Callable[[InflightRequest], None]] = []
 
     @property
     def inflight(self) -> int:
@@ -85,6 +88,11 @@ class GenerateHandler:
         for request in list(self._live):
             request.stop()
 
+    def _finished(self, inflight: InflightRequest) -> None:
+        self._live.discard(inflight)
+        for observe in self.observers:
+            observe(inflight)
+
     # -- entry points ----------------------------------------------------------------------
     async def chat(self, http: Exchange) -> None:
         await self._serve(http, "chat_completions")
@@ -94,7 +102,7 @@ class GenerateHandler:
 
     async def _serve(self, http: Exchange, endpoint: str) -> None:
         inflight = InflightRequest(
-            http, self._m, endpoint, namespace=self.namespace, on_finish=self._live.discard
+            http, self._m, endpoint, namespace=self.namespace, on_finish=self._finished
         )
         # The request's span is current for this handler task (its log lines carry the trace
         # id; the worker's spans join it through the request's traceparent).

@@ -53,6 +53,7 @@ class InflightRequest:
         "span",
         "queued",
         "worker_type",
+        "status",
     )
 
     def __init__(
@@ -89,6 +90,7 @@ class InflightRequest:
         self.fmt: Formatter | None = None
         self.loads: list[Load] = []
         self.finished = False
+        self.status = ""  # "success" or "error" once finished
         self.queued = False  # admitted, no response yet (the queued_requests gauge)
         self.worker_type = ""  # the serving role of the model (worker_* gauges)
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := http.header(k))}
@@ -166,6 +168,7 @@ class InflightRequest:
         if self.finished:
             return
         self.finished = True
+        self.status = status
         for load in self.loads:
             load.free()
         m = self._metrics

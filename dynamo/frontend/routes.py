@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from dynamo.frontend.dashboard import Dashboard
+from dynamo.frontend.dashboard_page import PAGE
 from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.generate import GenerateHandler
@@ -30,8 +32,10 @@ class Routes:
         generate: GenerateHandler,
         *,
         overload_status: int,
+        dashboard: Dashboard | None = None,
     ) -> None:
         self._registry = registry
+        self._dashboard = dashboard
         self._metrics = metrics
         self._generate = generate
         self._overload_status = overload_status
@@ -43,6 +47,9 @@ class Routes:
             "/health": self._health,
             "/live": self._live,
         }
+        if dashboard is not None:
+            self._get["/dashboard"] = self._dashboard_page
+            self._get["/dashboard/data"] = self._dashboard_data
         self._post = {
             "/v1/chat/completions": self._generate.chat,
             "/v1/completions": self._generate.completion,
@@ -145,6 +152,14 @@ class Routes:
             "instances": instances,
         }
         http.reply(200 if ready else 503, JSON_HEADERS, encode_json(body))
+
+    def _dashboard_page(self, http: Exchange) -> None:
+        http.reply(200, [("content-type", "text/html; charset=utf-8")], PAGE)
+
+    def _dashboard_data(self, http: Exchange) -> None:
+        assert self._dashboard is not None
+        headers = [*JSON_HEADERS, ("cache-control", "no-store")]
+        http.reply(200, headers, encode_json(self._dashboard.snapshot()))
 
     def _live(self, http: Exchange) -> None:
         if self.draining:
