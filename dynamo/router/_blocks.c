@@ -16,6 +16,14 @@
  * Table: linear probing, load factor at most 1/2, deletion by backward shift (no tombstones).
  * Slots are placed by a seeded mix of the key (a per-process random seed), so a client cannot
  * choose hashes that collide.
+ *
+ * Prefix keys (the *_prefixes methods): the load accounting identifies an active block by its
+ * position in the request, i.e. by the whole sequence of hashes up to it (a node of the trie of
+ * the rank's active sequences, as the reference does). A node is named by a chained 64-bit key,
+ * key[i] = chain(key[i-1], hash[i]), so a multiset of prefix keys counts trie nodes and a query's
+ * absent prefix keys are its blocks outside the trie, with the same flat table. chain() mixes
+ * with a second per-process seed: equal keys for different prefixes need a 64-bit collision,
+ * which a client that never sees the seed cannot aim for.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,6 +45,21 @@ typedef struct {
 #define MIN_CAPACITY 16
 
 static uint64_t mix_seed;
+static uint64_t chain_seed;
+
+/* The prefix key of (the prefix named by parent) + hash; the empty prefix is 0. For a fixed
+ * parent it is a bijection of hash, for a fixed hash a bijection of parent. */
+static inline uint64_t
+chain(uint64_t parent, uint64_t hash)
+{
+    uint64_t x = (parent * 0x9e3779b97f4a7c15ULL) ^ hash ^ chain_seed;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
 
 static inline size_t
 slot_of(uint64_t key, size_t mask)
@@ -212,6 +235,45 @@ for_each_key(BlockCounts *t, PyObject *iterable, KeyFn fn)
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* Apply fn to the prefix key of each position of a sequence of ints. */
+static int
+for_each_prefix(BlockCounts *t, PyObject *iterable, KeyFn fn)
+{
+    uint64_t key, parent = 0;
+    if (PyTuple_CheckExact(iterable) || PyList_CheckExact(iterable)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(iterable);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (as_key(PySequence_Fast_GET_ITEM(iterable, k), &key) < 0) {
+                return -1;
+            }
+            parent = chain(parent, key);
+            if (fn(t, parent) < 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(iterable);
+    if (it == NULL) {
+        return -1;
+    }
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        int rc = as_key(item, &key);
+        Py_DECREF(item);
+        if (rc == 0) {
+            parent = chain(parent, key);
+            rc = fn(t, parent);
+        }
+        if (rc < 0) {
+            Py_DECREF(it);
+            return -1;
+        }
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static int
 add_one(BlockCounts *t, uint64_t key)
 {
@@ -327,6 +389,81 @@ BlockCounts_remove(BlockCounts *self, PyObject *hashes)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+BlockCounts_add_prefixes(BlockCounts *self, PyObject *hashes)
+{
+    if (for_each_prefix(self, hashes, add_one) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+BlockCounts_remove_prefixes(BlockCounts *self, PyObject *hashes)
+{
+    int rc = for_each_prefix(self, hashes, remove_one);
+    if (shrink_if_sparse(self) < 0 || rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+BlockCounts_of_prefixes(PyTypeObject *type, PyObject *hashes)
+{
+    BlockCounts *self = (BlockCounts *)PyObject_CallNoArgs((PyObject *)type);
+    if (self == NULL) {
+        return NULL;
+    }
+    if ((PyTuple_CheckExact(hashes) || PyList_CheckExact(hashes))) {
+        size_t capacity = MIN_CAPACITY;
+        while (capacity < (size_t)PySequence_Fast_GET_SIZE(hashes) * 2) {
+            capacity *= 2;
+        }
+        if (capacity > self->mask + 1 && resize(self, capacity) < 0) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
+    if (for_each_prefix(self, hashes, add_one) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *
+prefix_keys(PyObject *module, PyObject *hashes)
+{
+    PyObject *seq = PySequence_Fast(hashes, "prefix_keys() takes an iterable of int");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    uint64_t key, parent = 0;
+    if (out == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (as_key(PySequence_Fast_GET_ITEM(seq, k), &key) < 0) {
+            goto fail;
+        }
+        parent = chain(parent, key);
+        PyObject *value = PyLong_FromUnsignedLongLong(parent);
+        if (value == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(out, k, value);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* ---------------------------------------------------------- from a JSON array of ints */
 
 static inline const char *
@@ -389,7 +526,7 @@ parse_int(const char **pp, const char *end, uint64_t *out, const char **why)
 }
 
 static PyObject *
-BlockCounts_from_json(PyTypeObject *type, PyObject *data)
+parse_json(PyTypeObject *type, PyObject *data, int prefixes)
 {
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
@@ -401,6 +538,7 @@ BlockCounts_from_json(PyTypeObject *type, PyObject *data)
     PyObject *result = NULL;
     Py_ssize_t index = 0;
     const char *why = NULL;
+    uint64_t parent = 0;
 
     p = skip_ws(p, end);
     if (p >= end || *p != '[') {
@@ -433,6 +571,10 @@ BlockCounts_from_json(PyTypeObject *type, PyObject *data)
                 json_error(index, why);
                 goto done;
             }
+            if (prefixes) {
+                parent = chain(parent, key);
+                key = parent;
+            }
             if (add_one(self, key) < 0) {
                 goto done;
             }
@@ -460,6 +602,18 @@ done:
     Py_XDECREF(self);
     PyBuffer_Release(&view);
     return result;
+}
+
+static PyObject *
+BlockCounts_from_json(PyTypeObject *type, PyObject *data)
+{
+    return parse_json(type, data, 0);
+}
+
+static PyObject *
+BlockCounts_prefixes_from_json(PyTypeObject *type, PyObject *data)
+{
+    return parse_json(type, data, 1);
 }
 
 static PyObject *
@@ -582,6 +736,16 @@ static PyMethodDef BlockCounts_methods[] = {
     {"remove", (PyCFunction)BlockCounts_remove, METH_O,
      "remove(hashes): count one holder less of each hash; a hash whose count reaches 0 "
      "leaves. KeyError on a hash that is not held (those before it stay removed)."},
+    {"prefixes_from_json", (PyCFunction)BlockCounts_prefixes_from_json, METH_O | METH_CLASS,
+     "prefixes_from_json(data): the prefix keys of a JSON array of integers in the signed "
+     "64-bit range; errors as from_json."},
+    {"of_prefixes", (PyCFunction)BlockCounts_of_prefixes, METH_O | METH_CLASS,
+     "of_prefixes(hashes): a table holding the prefix key of each position of hashes."},
+    {"add_prefixes", (PyCFunction)BlockCounts_add_prefixes, METH_O,
+     "add_prefixes(hashes): add the prefix key of each position of hashes."},
+    {"remove_prefixes", (PyCFunction)BlockCounts_remove_prefixes, METH_O,
+     "remove_prefixes(hashes): remove the prefix key of each position of hashes; KeyError on "
+     "one that is not held (those before it stay removed)."},
     {"count", (PyCFunction)BlockCounts_count, METH_O, "count(hash): its count, 0 if absent."},
     {"count_absent", (PyCFunction)BlockCounts_count_absent, METH_O,
      "count_absent(query): how many distinct hashes of query (a BlockCounts) are absent here."},
@@ -614,11 +778,18 @@ static PyTypeObject BlockCountsType = {
     .tp_methods = BlockCounts_methods,
 };
 
+static PyMethodDef module_methods[] = {
+    {"prefix_keys", (PyCFunction)prefix_keys, METH_O,
+     "prefix_keys(hashes): [the unsigned prefix key of each position of hashes]."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef blocks_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dynamo.router._blocks",
     .m_doc = "Native block-hash multiset for the router's load accounting.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 static int
@@ -628,12 +799,13 @@ init_seed(void)
     if (os == NULL) {
         return -1;
     }
-    PyObject *raw = PyObject_CallMethod(os, "urandom", "i", (int)sizeof(mix_seed));
+    PyObject *raw = PyObject_CallMethod(os, "urandom", "i", (int)(2 * sizeof(uint64_t)));
     Py_DECREF(os);
     if (raw == NULL) {
         return -1;
     }
     memcpy(&mix_seed, PyBytes_AS_STRING(raw), sizeof(mix_seed));
+    memcpy(&chain_seed, PyBytes_AS_STRING(raw) + sizeof(mix_seed), sizeof(chain_seed));
     Py_DECREF(raw);
     return 0;
 }

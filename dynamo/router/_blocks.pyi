@@ -20,12 +20,22 @@ class BlockCounts:
         ``data`` is bytes-like (a ``msgspec.Raw`` works). ValueError, naming the element
         (``- at `[3]```), on anything else: not an array, a float, a string, out of range.
         """
+    @classmethod
+    def prefixes_from_json(cls, data: bytes | bytearray | memoryview | Raw) -> BlockCounts:
+        """The prefix keys (see ``prefix_keys``) of a JSON array; errors as ``from_json``."""
+    @classmethod
+    def of_prefixes(cls, hashes: Iterable[int]) -> BlockCounts:
+        """A table holding the prefix key of each position of ``hashes``."""
     def __len__(self) -> int: ...
     def __contains__(self, hash: object) -> bool: ...
     def add(self, hashes: Iterable[int]) -> None:
         """One more holder of each hash (a repeated hash counts twice)."""
     def remove(self, hashes: Iterable[int]) -> None:
         """One holder less of each hash; KeyError on a hash that is not held."""
+    def add_prefixes(self, hashes: Iterable[int]) -> None:
+        """One more holder of the prefix key of each position of ``hashes`` (a trie path)."""
+    def remove_prefixes(self, hashes: Iterable[int]) -> None:
+        """One holder less of each prefix key of ``hashes``; KeyError on one that is not held."""
     def count(self, hash: int) -> int:
         """The hash's count, 0 if absent."""
     def count_absent(self, query: BlockCounts) -> int:
@@ -33,3 +43,10 @@ class BlockCounts:
     def items(self) -> list[tuple[int, int]]:
         """``(unsigned hash, count)`` pairs, in no particular order."""
     def clear(self) -> None: ...
+
+def prefix_keys(hashes: Iterable[int]) -> list[int]:
+    """The unsigned prefix key of each position: ``key[i] = chain(key[i-1], hashes[i])``.
+
+    A key names the whole prefix ``hashes[:i+1]`` (a trie node); the chain is seeded per
+    process, so keys are only comparable within one process and one implementation.
+    """

@@ -2,6 +2,12 @@
 
 The KV router and the standalone slot tracker both keep their in-flight requests here. Pure
 in-process state: no I/O, no locks; one owner (a task or a handler) calls it.
+
+Block identity is positional, as in the reference (FACTS §5.1): an active block is a node of
+the trie of the rank's active sequences, named by its whole prefix. A query block counts as
+already active only when the query's prefix up to it is a prefix of an active request on that
+rank. Each node is held as a chained 64-bit prefix key (``BlockCounts.add_prefixes``), so the
+trie is a flat refcounted multiset of keys and "blocks not in the trie" is one probe per block.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router._blocks import BlockCounts
+from dynamo.router._blocks import BlockCounts, prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +80,6 @@ class LoadProjection(msgspec.Struct, gc=False):
     active_requests: int
 
 
-_U64_MASK = (1 << 64) - 1
-
-
 def _length(sequence_hashes: Iterable[int] | BlockCounts) -> int:
     """Blocks in the request, repeats included (no reuse: each block is its own)."""
     if isinstance(sequence_hashes, BlockCounts):
@@ -90,8 +93,9 @@ def _length(sequence_hashes: Iterable[int] | BlockCounts) -> int:
 class _Rank:
     worker_id: int
     dp_rank: int
-    # Unique active block hash -> number of active requests holding it (native: the projection
-    # probes it for every query block of every routing decision).
+    # The trie of active sequences: prefix key of each active node -> number of active requests
+    # whose sequence passes through it (native: the projection probes it for every query block
+    # of every routing decision).
     blocks: BlockCounts = field(default_factory=BlockCounts)
     # Blocks that are never shared (assume_kv_reuse=False): counted, not materialised.
     private_blocks: int = 0
@@ -111,13 +115,14 @@ class _Request(msgspec.Struct, gc=False):
 class ActiveSequences:
     """In-flight requests and the load they put on each (worker_id, dp_rank).
 
-    Per rank: the unique active prompt blocks (refcounted by sequence hash, so requests sharing a
-    prefix on one rank count it once), the prefill tokens of requests whose prefill has not
-    finished, and the number of active requests.
+    Per rank: the active prompt blocks as the nodes of a trie of the active sequences
+    (refcounted, so requests sharing a prefix on one rank count it once; a block hash seen at a
+    different position or after a different prefix is a different block), the prefill tokens
+    of requests whose prefill has not finished, and the number of active requests.
 
     Lifecycle: ``add_request`` (touch each block, add prefill tokens) -> ``mark_prefill_completed``
     (first token: prefill tokens leave, blocks stay) -> ``free`` (end, error or cancel: everything
-    leaves; blocks whose refcount drops to 0 leave the active set). Requests are kept in arrival
+    leaves; trie nodes whose refcount drops to 0 leave the active set). Requests are kept in arrival
     order; requests older than ``expiry_s`` are freed as stale (looked for at most every
     ``expiry_check_interval_s``, on ``add_request``, or when ``expire_stale`` is called).
 
@@ -243,7 +248,7 @@ class ActiveSequences:
             prefill = 0
         if self._assume_kv_reuse:
             hashes = tuple(sequence_hashes)
-            rank.blocks.add(hashes)
+            rank.blocks.add_prefixes(hashes)
             private = 0
         else:
             hashes = ()
@@ -279,7 +284,7 @@ class ActiveSequences:
         rank.num_requests -= 1
         rank.private_blocks -= req.private_blocks
         if req.hashes:
-            rank.blocks.remove(req.hashes)
+            rank.blocks.remove_prefixes(req.hashes)
         return True
 
     def expire_stale(self, now: float | None = None) -> list[str]:
@@ -306,8 +311,9 @@ class ActiveSequences:
     ) -> list[PotentialLoad]:
         """Each tracked rank's load if a request with these blocks and tokens were added there.
 
-        Read-only. One entry per rank, in the order the ranks were added. A block repeated in
-        ``sequence_hashes`` counts once (a prepared ``BlockCounts`` may be passed directly).
+        Read-only. One entry per rank, in the order the ranks were added. A query block is new
+        on a rank unless its whole prefix is active there; a prepared query may be passed as a
+        ``BlockCounts`` of prefix keys (``BlockCounts.of_prefixes`` / ``prefixes_from_json``).
         """
         load = PotentialLoad
         return [
@@ -347,14 +353,14 @@ class ActiveSequences:
     def _new_blocks(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[int]:
         """Per rank (in order), the request's blocks that would be new there.
 
-        With KV reuse: its distinct blocks not active on the rank. Without: all of its blocks
-        (none are shared), the same for every rank.
+        With KV reuse: its blocks whose prefix is not a trie node of the rank. Without: all of
+        its blocks (none are shared), the same for every rank.
         """
         if self._assume_kv_reuse:
             query = (
                 sequence_hashes
                 if isinstance(sequence_hashes, BlockCounts)
-                else BlockCounts(sequence_hashes)  # distinct blocks: a repeat counts once
+                else BlockCounts.of_prefixes(sequence_hashes)
             )
             return [rank.blocks.count_absent(query) for rank in self._rank_list]
         return [_length(sequence_hashes)] * len(self._rank_list)
@@ -378,7 +384,7 @@ class ActiveSequences:
         return rank.prefill_tokens if rank is not None else 0
 
     def active_decode_blocks(self, worker_id: int, dp_rank: int = 0) -> int:
-        """Unique active blocks on the rank (0 if unknown)."""
+        """Active blocks on the rank: trie nodes (+ private blocks) (0 if unknown)."""
         rank = self._ranks.get((worker_id, dp_rank))
         return len(rank.blocks) + rank.private_blocks if rank is not None else 0
 
@@ -428,9 +434,8 @@ class ActiveSequences:
             if req.prefill_tokens < 0 or (self._assume_kv_reuse and req.private_blocks):
                 raise AssertionError(f"request {request_id!r} has bad counters")
             blocks, prefill, private, count = expected[id(req.rank)]
-            for block in req.hashes:
-                block &= _U64_MASK  # the tables hold the unsigned form
-                blocks[block] = blocks.get(block, 0) + 1
+            for node in prefix_keys(req.hashes):
+                blocks[node] = blocks.get(node, 0) + 1
             expected[id(req.rank)] = (
                 blocks,
                 prefill + req.prefill_tokens,

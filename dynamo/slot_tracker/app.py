@@ -51,8 +51,8 @@ class AddBody(msgspec.Struct):
     worker_id: U64
     dp_rank: U32
     # Signed 64-bit on the wire. Kept as received: the reinterpretation as u64 is a bijection,
-    # so refcounting and dedup over these values equal those over the unsigned hashes. A tuple:
-    # ActiveSequences keeps it without copying.
+    # so the prefix keys (trie nodes) over these values equal those over the unsigned hashes.
+    # A tuple: ActiveSequences keeps it without copying.
     sequence_hashes: tuple[I64, ...]
     tenant_id: str = "default"
     new_isl_tokens: U64 = 0
@@ -66,8 +66,8 @@ class LifecycleBody(msgspec.Struct):
 
 class PotentialLoadsBody(msgspec.Struct, gc=False):
     model_name: str
-    # Left raw by msgspec and parsed by BlockCounts.from_json straight into the table the
-    # projection probes: no int objects, no tuple (the hot path of the projection endpoint).
+    # Left raw by msgspec and parsed by BlockCounts.prefixes_from_json straight into the table of
+    # prefix keys the projection probes: no int objects, no tuple (the endpoint's hot path).
     sequence_hashes: msgspec.Raw
     tenant_id: str = "default"
     new_isl_tokens: U64 = 0
@@ -248,7 +248,7 @@ class SlotTrackerApp:
         if req.new_isl_tokens > U64_MAX:
             _check_u64(req.new_isl_tokens, "new_isl_tokens")
         try:
-            blocks = BlockCounts.from_json(req.sequence_hashes)
+            blocks = BlockCounts.prefixes_from_json(req.sequence_hashes)
         except ValueError as exc:
             raise msgspec.ValidationError(_at_field(str(exc), "sequence_hashes")) from None
         loads = self._registry.potential_loads(

@@ -183,6 +183,27 @@ def test_spec_example_accounting_and_projection(tracker: Tracker) -> None:
     assert resp.status_code == 200
 
 
+def test_block_identity_is_positional_as_measured_on_the_reference(tracker: Tracker) -> None:
+    """FACTS §5.1: the reference's vectors, through the HTTP API."""
+    model = "m-trie"
+    assert register(tracker, model, 1).status_code == 201
+
+    def decode_blocks(hashes: list[int]) -> int:
+        body = {"model_name": model, "sequence_hashes": hashes}
+        [proj] = tracker.post("/potential_loads", body).json()
+        blocks: int = proj["potential_decode_blocks"]
+        return blocks
+
+    assert add(tracker, model, "a", 1, [5, 6, 7]) == 201
+    assert [decode_blocks(q) for q in ([9, 6, 7], [5, 7], [5, 6, 7, 5])] == [6, 4, 4]
+    assert add(tracker, model, "b", 1, [8, 6]) == 201
+    assert rank_load(tracker, model, 1) == (0, 5)
+    assert decode_blocks([8, 6, 7]) == 6
+    for rid in ("a", "b"):
+        assert tracker.post("/free", {"model_name": model, "request_id": rid}).status_code == 200
+    assert rank_load(tracker, model, 1) == (0, 0)
+
+
 def test_free_releases_pending_prefill(tracker: Tracker) -> None:
     assert register(tracker, "m-prefill", 1).status_code == 201
     assert add(tracker, "m-prefill", "r", 1, [1, 2], new_isl_tokens=100) == 201
@@ -207,18 +228,18 @@ def test_add_defaults_and_empty_hashes(tracker: Tracker) -> None:
     ]
 
 
-def test_extreme_hashes_are_accepted_and_deduplicated(tracker: Tracker) -> None:
+def test_extreme_hashes_are_accepted_and_shared_prefixes_counted_once(tracker: Tracker) -> None:
     model = "m-hashes"
     assert register(tracker, model, 1).status_code == 201
     extremes = [I64_MIN, I64_MAX, -1, 0]
     assert add(tracker, model, "a", 1, extremes) == 201
-    assert add(tracker, model, "b", 1, [-1, I64_MIN, 5]) == 201
-    assert rank_load(tracker, model, 1) == (0, 5)
-    body = {"model_name": model, "sequence_hashes": [I64_MAX, -1, 0, I64_MIN, 6]}
+    assert add(tracker, model, "b", 1, [I64_MIN, I64_MAX, 5]) == 201
+    assert rank_load(tracker, model, 1) == (0, 5)  # the first two trie nodes are shared
+    body = {"model_name": model, "sequence_hashes": [I64_MIN, I64_MAX, -1, I64_MIN, 6]}
     [proj] = tracker.post("/potential_loads", body).json()
-    assert proj["potential_decode_blocks"] == 6 and proj["active_requests"] == 2
+    assert proj["potential_decode_blocks"] == 7 and proj["active_requests"] == 2
     tracker.post("/free", {"model_name": model, "request_id": "a"})
-    assert rank_load(tracker, model, 1) == (0, 3)  # -1, I64_MIN (still held by b) and 5
+    assert rank_load(tracker, model, 1) == (0, 3)  # b's path: I64_MIN, I64_MAX, 5
     for bad in (I64_MAX + 1, I64_MIN - 1, 1 << 64, 1.5, "1"):
         resp = tracker.post(
             "/add",
@@ -369,7 +390,7 @@ def test_error_statuses_and_bodies(tracker: Tracker) -> None:
     near = b'{"model_name":"m-big","sequence_hashes":[' + b"0," * 200_000 + b"1]}"
     chunked = (near[i : i + 50_000] for i in range(0, len(near), 50_000))
     resp = client.post("/potential_loads", content=chunked, headers=json_header)
-    assert resp.status_code == 200 and resp.json()[0]["potential_decode_blocks"] == 2
+    assert resp.status_code == 200 and resp.json()[0]["potential_decode_blocks"] == 200_001
     # Malformed HTTP gets a JSON error and a closed connection.
     with socket.create_connection(("127.0.0.1", int(tracker.url.rsplit(":", 1)[1]))) as sock:
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")

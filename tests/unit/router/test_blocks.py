@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dynamo.router._blocks import BlockCounts
+from dynamo.router._blocks import BlockCounts, prefix_keys
 
 U64 = 2**64 - 1
 I64_MIN = -(2**63)
@@ -664,3 +664,75 @@ def test_from_json_accepts_exactly_what_msgspec_accepts(doc: bytes) -> None:
             BlockCounts.from_json(doc)
         return
     assert as_dict(BlockCounts.from_json(doc)) == model_of(expected)
+
+
+# ------------------------------------------------------------ prefix keys (trie nodes) (5)
+
+SEQS = st.lists(st.lists(st.integers(-3, 3), max_size=6), max_size=8)  # much prefix sharing
+
+
+def trie_nodes(seqs: Iterable[list[int]]) -> Counter[tuple[int, ...]]:
+    """The brute-force trie: each distinct prefix (unsigned form) -> sequences through it."""
+    return Counter(tuple(norm(h) for h in s[: i + 1]) for s in seqs for i in range(len(s)))
+
+
+@given(seqs=SEQS, query=st.lists(st.integers(-3, 4), max_size=7), drop=st.integers(0, 8))
+@settings(max_examples=100)
+def test_prefix_tables_count_trie_nodes(seqs: list[list[int]], query: list[int], drop: int) -> None:
+    table = BlockCounts()
+    for s in seqs:
+        table.add_prefixes(s if len(s) % 2 else iter(s))  # the sequence and iterator paths
+    nodes = trie_nodes(seqs)
+    assert len(table) == len(nodes)
+    assert sorted(c for _, c in table.items()) == sorted(nodes.values())
+    for probe in (query, *(s + query for s in seqs)):
+        absent = sum(tuple(map(norm, probe[: i + 1])) not in nodes for i in range(len(probe)))
+        assert table.count_absent(BlockCounts.of_prefixes(probe)) == absent
+        doc = json.dumps(probe).encode()
+        assert table.count_absent(BlockCounts.prefixes_from_json(doc)) == absent
+    kept, gone = seqs[drop:], seqs[:drop]
+    for s in gone:
+        table.remove_prefixes(s)
+    assert sorted(c for _, c in table.items()) == sorted(trie_nodes(kept).values())
+
+
+def test_prefix_keys_name_whole_prefixes() -> None:
+    keys = prefix_keys([5, 6, 7])
+    assert len(set(keys)) == 3 and all(0 <= k <= U64 for k in keys)
+    assert prefix_keys([5, 6]) == keys[:2]  # a prefix's keys are the prefix of the keys
+    assert prefix_keys([9, 6, 7])[1:] != keys[1:]  # same hashes after another prefix
+    assert prefix_keys([5, 5]) != [keys[0]] * 2  # the same hash at another position
+    assert prefix_keys([-1, I64_MIN]) == prefix_keys([U64, 2**63])  # both forms, one key
+    assert prefix_keys(()) == [] and prefix_keys(iter([5])) == keys[:1]
+    table = BlockCounts.of_prefixes([5, 6, 7])
+    assert as_dict(table) == model_of(keys)
+    assert as_dict(BlockCounts.prefixes_from_json(b"[5, 6,7]")) == as_dict(table)
+
+
+def test_prefix_methods_reject_what_the_plain_ones_reject() -> None:
+    table = BlockCounts.of_prefixes([1, 2])
+    with pytest.raises(KeyError):
+        table.remove_prefixes([1, 3])  # [1] leaves, [1, 3] was never held
+    assert len(table) == 1 and table.count(prefix_keys([1, 2])[1]) == 1
+    for bad in (2**64, -(2**63) - 1, 1.0, "1", None):
+        with pytest.raises((TypeError, OverflowError)):
+            table.add_prefixes([7, bad])  # type: ignore[list-item]
+        with pytest.raises((TypeError, OverflowError)):
+            BlockCounts.of_prefixes([bad])  # type: ignore[list-item]
+        with pytest.raises((TypeError, OverflowError)):
+            prefix_keys([bad])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        prefix_keys(5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"- at `\[1\]`"):
+        BlockCounts.prefixes_from_json(b"[1, 2.5]")
+
+
+def test_prefix_keys_are_seeded_per_process() -> None:
+    script = "from dynamo.router._blocks import prefix_keys; print(prefix_keys([1, 2, 3]))"
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    }
+    assert len(runs) == 2  # a client cannot aim for a collision it cannot compute

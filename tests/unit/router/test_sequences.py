@@ -71,22 +71,48 @@ def test_potential_loads_match_spec_example() -> None:
     seqs.check_invariants()
 
 
-def test_potential_loads_counts_repeated_query_blocks_once() -> None:
+def decode_blocks(seqs: ActiveSequences, query: list[int]) -> int:
+    return seqs.potential_loads(query)[0].potential_decode_blocks
+
+
+def test_block_identity_is_positional_as_measured_on_the_reference() -> None:
+    """FACTS §5.1: the vectors measured on the reference's slot tracker."""
+    seqs = make()
+    seqs.add_request("a", 7, 0, [5, 6, 7])
+    assert seqs.active_decode_blocks(7, 0) == 3
+    assert decode_blocks(seqs, [9, 6, 7]) == 6  # 6 and 7 after 9: not the active 6 and 7
+    assert decode_blocks(seqs, [5, 7]) == 4
+    assert decode_blocks(seqs, [5, 6, 7, 5]) == 4  # the second 5 sits at a new position
+    seqs.add_request("b", 7, 0, [8, 6])
+    assert seqs.active_decode_blocks(7, 0) == 5  # [8] and [8, 6] are new trie nodes
+    assert decode_blocks(seqs, [8, 6, 7]) == 6
+    seqs.check_invariants()
+
+
+def test_repeated_query_blocks_count_per_position() -> None:
     seqs = make()
     seqs.add_request("a", 7, 0, [1, 2])
-    assert seqs.potential_loads([2, 3, 3, 3])[0].potential_decode_blocks == 3
-    assert seqs.potential_loads({2, 3})[0].potential_decode_blocks == 3  # a set is used as is
-    assert seqs.potential_loads([])[0].potential_decode_blocks == 2
+    assert decode_blocks(seqs, [2, 3, 3, 3]) == 6
+    assert decode_blocks(seqs, [1, 2, 2]) == 3
+    assert decode_blocks(seqs, []) == 2
+    assert decode_blocks(seqs, iter([1, 3])) == 3  # any iterable
 
 
 def test_repeated_hash_inside_one_request_is_refcounted() -> None:
     seqs = make()
     seqs.add_request("a", 7, 0, [5, 5, 6])
     seqs.add_request("b", 7, 0, [5])
-    assert load(seqs) == (0, 2, 2)
+    assert load(seqs) == (0, 3, 2)  # nodes [5], [5, 5], [5, 5, 6]; b shares [5]
     seqs.free("a")
     assert load(seqs) == (0, 1, 1)
     seqs.check_invariants()
+
+
+def test_signed_and_unsigned_forms_name_the_same_block() -> None:
+    seqs = make()
+    seqs.add_request("a", 7, 0, [-1, 2**63])
+    assert decode_blocks(seqs, [2**64 - 1, -(2**63)]) == 2
+    assert seqs.free("a") and load(seqs) == (0, 0, 0)
 
 
 def test_overlap_blocks_reduce_prefill_and_clamp_at_zero() -> None:
@@ -208,7 +234,8 @@ OPS = st.lists(
         st.sampled_from(["add", "prefill", "free"]),
         st.integers(0, 7),  # request id
         st.integers(0, 2),  # rank
-        st.lists(st.integers(-3, 3), max_size=5),  # hashes (small domain: lots of sharing)
+        st.lists(st.integers(-3, 3), max_size=5),  # hashes (small domain: lots of sharing,
+        # the same hash at other positions and after other prefixes)
         st.integers(0, 64),  # isl
     ),
     max_size=60,
@@ -242,10 +269,10 @@ def test_matches_brute_force_model(
         seqs.check_invariants()
     for rank in range(3):
         mine = [v for v in model.values() if v[0] == rank]
-        if reuse:
-            active = {h for v in mine for h in v[1]}
+        if reuse:  # the trie of active sequences: one node per distinct prefix
+            active = {tuple(v[1][: i + 1]) for v in mine for i in range(len(v[1]))}
             blocks = len(active)
-            new_blocks = len(set(query) - active)
+            new_blocks = sum(tuple(query[: i + 1]) not in active for i in range(len(query)))
         else:
             blocks = sum(len(v[1]) for v in mine)
             new_blocks = len(query)
@@ -257,4 +284,10 @@ def test_matches_brute_force_model(
         assert seqs.project_loads(query)[rank] == LoadProjection(
             1, rank, prefill, blocks, new_blocks, len(mine)
         )
+        if reuse:  # queries that follow active paths part of the way, then leave them
+            for v in model.values():
+                probe = v[1][: len(v[1]) // 2 + 1] + query
+                expected = sum(tuple(probe[: i + 1]) not in active for i in range(len(probe)))
+                got = seqs.project_loads(probe)[rank].new_decode_blocks
+                assert got == expected, (probe, active)
     assert seqs.request_ids() == [rid for rid in model]
