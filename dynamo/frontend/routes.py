@@ -20,6 +20,7 @@ from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.streaming import JSON_HEADERS, encode_json
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.openai import ModelList, ModelListing
+from dynamo.router.kv_router import KVRouter
 
 
 class Routes:
@@ -150,6 +151,7 @@ class Routes:
             "status": "healthy" if ready else "not_ready",
             "endpoints": sorted(endpoints),
             "instances": instances,
+            "kv_consistency": self._kv_consistency(),
         }
         http.reply(200 if ready else 503, JSON_HEADERS, encode_json(body))
 
@@ -160,6 +162,16 @@ class Routes:
         assert self._dashboard is not None
         headers = [*JSON_HEADERS, ("cache-control", "no-store")]
         http.reply(200, headers, encode_json(self._dashboard.snapshot()))
+
+    def _kv_consistency(self) -> list[dict[str, object]]:
+        """Each KV router's latest cache-consistency check, per worker rank."""
+        out: list[dict[str, object]] = []
+        for entry in self._registry.models():
+            for role, router in list(entry.routers.items()):
+                if isinstance(router, KVRouter):
+                    for state in router.consistency.values():
+                        out.append({"model": entry.name, "role": role.value, **state.as_json()})
+        return out
 
     def _live(self, http: Exchange) -> None:
         if self.draining:

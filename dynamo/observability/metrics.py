@@ -268,6 +268,20 @@ class RouterMetrics:
             "Replica-sync events dropped (queue full)",
             registry=r,
         )
+        # The cache-consistency check (router/consistency.py).
+        self.kv_index_drift = Gauge(
+            "dynamo_router_kv_index_drift_blocks",
+            "Blocks by which the router's view of a worker rank differs from the worker's own "
+            "(at least 1 when the counts agree but the digests do not); 0 when consistent",
+            ["model", "worker_id", "dp_rank"],
+            registry=r,
+        )
+        self.kv_index_resyncs = Counter(
+            "dynamo_router_kv_index_resyncs",
+            "Worker ranks re-read in full after the consistency check found drift",
+            ["model", "worker_id"],
+            registry=r,
+        )
 
 
 class WorkerMetrics:
