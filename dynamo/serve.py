@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_processes(serve_plan)
 
 
+def _describe_workers(roles: tuple[str, ...]) -> str:
+    prefill, decode = roles.count("prefill"), roles.count("decode")
+    if decode:
+        return f"{prefill} prefill + {decode} decode mocker workers"
+    return f"{len(roles)} mocker workers"
+
+
 def _free_port(host: str) -> int:
     """A port that is free now (``--http-port 0``), so the banner can show the real one."""
     import socket
@@ -88,15 +95,15 @@ def _serve_processes(serve_plan: ServePlan) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for _ in range(args.workers):
-            cmd = [py, "-m", "dynamo.mocker", *serve_plan.mocker_argv]
+        for role in serve_plan.roles:
+            cmd = [py, "-m", "dynamo.mocker", *serve_plan.worker_argv(role)]
             children.append(subprocess.Popen(cmd, env=env))
         frontend_cmd = [py, "-m", "dynamo.frontend", *frontend_argv]
         children.append(subprocess.Popen(frontend_cmd, env=env))
         print(
             f"dynamo serve: model {args.model_name!r} at"
             f" http://{_shown_host(args.http_host)}:{args.http_port}"
-            f" ({args.workers} mocker workers, router {args.router_mode})",
+            f" ({_describe_workers(serve_plan.roles)}, router {args.router_mode})",
             flush=True,
         )
         print(

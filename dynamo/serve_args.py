@@ -25,7 +25,7 @@ DEMO_MODEL_NAME = "demo"
 
 # Flags ``dynamo serve`` owns: a child's flag of the same name is set from serve's value.
 _FRONTEND_FROM_SERVE = ("--http-host", "--http-port", "--router-mode")
-_MOCKER_FROM_SERVE = ("--model-path", "--model-name")
+_MOCKER_FROM_SERVE = ("--model-path", "--model-name", "--disaggregation-mode")
 _RUNTIME_GROUP = "runtime"  # namespace, discovery and planes: serve wires those itself
 
 FRONTEND, WORKERS, BOTH = "frontend", "workers", "both"
@@ -46,6 +46,14 @@ class ServePlan:
     mocker_argv: list[str]
     frontend: FrontendConfig
     mocker: MockerConfig
+    roles: tuple[str, ...] = ("agg",)
+
+    def worker_argv(self, role: str) -> list[str]:
+        """The argv of one worker process of ``role`` (agg, prefill or decode)."""
+        return [*self.mocker_argv, f"--disaggregation-mode={role}"]
+
+    def worker_config(self, role: str) -> MockerConfig:
+        return dataclasses.replace(self.mocker, disaggregation_mode=role)
 
 
 def _frontend_parser() -> argparse.ArgumentParser:
@@ -96,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         env="DYN_SERVE_WORKERS",
         help="mocker worker processes",
+    )
+    add_flag(
+        own,
+        "--prefill-workers",
+        default=0,
+        type=int,
+        env="DYN_SERVE_PREFILL_WORKERS",
+        help="disaggregated serving: prefill worker processes (with --decode-workers, which "
+        "then replace --workers)",
+    )
+    add_flag(
+        own,
+        "--decode-workers",
+        default=0,
+        type=int,
+        env="DYN_SERVE_DECODE_WORKERS",
+        help="disaggregated serving: decode worker processes (prefill locally without "
+        "--prefill-workers)",
     )
     add_flag(
         own,
@@ -191,6 +217,15 @@ def plan(argv: list[str] | None = None) -> ServePlan:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.prefill_workers < 0 or args.decode_workers < 0:
+        parser.error("--prefill-workers and --decode-workers must be >= 0")
+    if args.prefill_workers and not args.decode_workers:
+        parser.error("--prefill-workers needs --decode-workers (decode workers serve the model)")
+    roles = (
+        ("prefill",) * args.prefill_workers + ("decode",) * args.decode_workers
+        if args.decode_workers
+        else ("agg",) * args.workers
+    )
     if args.model_path is None:
         from dynamo.serve import DEMO_MODEL_PATH
 
@@ -215,12 +250,12 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         mocker = mocker_config(margs)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if margs.system_port and args.workers > 1 and not args.in_process:
+    if margs.system_port and len(roles) > 1 and not args.in_process:
         parser.error(
             f"--system-port {margs.system_port} (or DYN_SYSTEM_PORT) would be the same port for"
-            f" all {args.workers} workers; use --system-port 0 (each picks a free port)"
+            f" all {len(roles)} workers; use --system-port 0 (each picks a free port)"
         )
     frontend = dataclasses.replace(
         frontend, runtime=dataclasses.replace(frontend.runtime, namespace=args.namespace)
     )
-    return ServePlan(args, frontend_argv, mocker_argv, frontend, mocker)
+    return ServePlan(args, frontend_argv, mocker_argv, frontend, mocker, roles)

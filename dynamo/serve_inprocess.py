@@ -33,15 +33,15 @@ def serve_in_process(serve_plan: ServePlan) -> int:
         event_plane="local",
     )
     frontend_config = dataclasses.replace(serve_plan.frontend, runtime=runtime_config)
-    run_async(_serve(frontend_config, serve_plan.mocker, runtime_config, serve_plan.args.workers))
+    configs = [serve_plan.worker_config(role) for role in serve_plan.roles]
+    run_async(_serve(frontend_config, configs, runtime_config))
     return 0
 
 
 async def _serve(
     frontend_config: FrontendConfig,
-    config: MockerConfig,
+    configs: list[MockerConfig],
     runtime_config: RuntimeConfig,
-    workers: int,
 ) -> None:
     hub = InProcessHub()
     stop = asyncio.Event()
@@ -50,7 +50,7 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     worker_objs = [
         build_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
-        for _ in range(workers)
+        for config in configs
     ]
     tasks = [asyncio.create_task(w.run(), name=f"worker-{i}") for i, w in enumerate(worker_objs)]
     frontend = FrontendService(frontend_config, hub=hub)

@@ -61,6 +61,17 @@ class EngineConfig:
         return self.served_model_name or self.model
 
 
+@dataclass(slots=True)
+class DisaggCounters:
+    """A disaggregated rank's running totals since start: ``handoffs`` are remote prefills
+    served (prefill role: handoffs produced; decode role: handoffs received), with the KV bytes
+    and the seconds their transfers took (decode role; the mocker reports its model's)."""
+
+    handoffs: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class RankMetrics:
     """One data-parallel rank's state right now, for the worker's ``dynamo_component_*`` gauges.
@@ -75,6 +86,7 @@ class RankMetrics:
     num_running: int
     num_waiting: int
     prefix_cache_hit_rate: float | None = None
+    disagg: DisaggCounters | None = None
 
     @property
     def kv_usage(self) -> float:

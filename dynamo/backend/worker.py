@@ -126,6 +126,11 @@ class Worker:
     def worker_ids(self) -> list[int]:
         return [r.worker_id for r in self._regs]
 
+    @property
+    def engines(self) -> list[LLMEngine]:
+        """The engines served, in ``worker_ids`` order."""
+        return [r.engine for r in self._regs]
+
     def on_registered(self, hook: Callable[[Worker], Awaitable[None]]) -> None:
         """Run ``hook(worker)`` after the engines are registered (e.g. serve side endpoints)."""
         self._hooks.append(hook)

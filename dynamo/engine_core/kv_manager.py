@@ -57,6 +57,9 @@ class KVManager:
         self._unique: set[int] = set()
         self._slots: dict[int, int] = {}  # full block hash -> its slot
         self._locals: dict[int, int] = {}  # full block hash -> its local (tokens) hash
+        # Cached blocks never announced (received from a prefill worker): their eviction is not
+        # announced either, so routers only ever hear of blocks this rank computed.
+        self._silent: set[int] = set()
         # Free slots, popped from the end: lowest ids first, so a fresh pool fills in order.
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._events: list[KVCacheEvent] = []
@@ -118,13 +121,18 @@ class KVManager:
         return sum(1 for h in block_hashes if h not in self._active) + num_unique
 
     # -- mutations --------------------------------------------------------------------------
-    def use(self, block_hashes: Sequence[int], local_hashes: Sequence[int]) -> None:
+    def use(
+        self, block_hashes: Sequence[int], local_hashes: Sequence[int], *, announce: bool = True
+    ) -> None:
         """Reference the chain ``block_hashes`` (a sequence's leading full blocks, in order).
 
         Active blocks gain a reference; inactive ones are revived; missing ones are stored
         (evicting LRU inactive blocks for room) and announced, one ``Stored`` event per run of
         consecutive new blocks with ``parent_hash`` = the block before the run. Raises
         ``RuntimeError`` if there is no room: callers check ``num_slots_needed`` first.
+
+        ``announce=False`` (a decode worker's blocks received from a prefill worker): the new
+        blocks are cached but produce no event, now or when they are evicted.
         """
         if not self.enable_prefix_caching:
             raise RuntimeError("full blocks are not used when prefix caching is off")
@@ -147,6 +155,9 @@ class KVManager:
             self._active[block_hashes[i]] = 1
             self._slots[block_hashes[i]] = self._free_slots.pop()
             self._locals[block_hashes[i]] = local_hashes[i]
+            if not announce:
+                self._silent.add(block_hashes[i])
+                continue
             run.append(StoredBlock(block_hash=block_hashes[i], tokens_hash=local_hashes[i]))
             if k + 1 == len(new) or new[k + 1] != i + 1:
                 start = i + 1 - len(run)
@@ -236,6 +247,7 @@ class KVManager:
         assert used + len(self._free_slots) == self.num_blocks, "leaked slots"
         assert self._slots.keys() == self._active.keys() | self._inactive.keys(), "slotless block"
         assert self._locals.keys() == self._slots.keys(), "block without its local hash"
+        assert self._silent <= self._slots.keys(), "silent block not cached"
         taken = [*self._slots.values(), *self._unique, *self._free_slots]
         assert len(set(taken)) == self.num_blocks == len(taken), "slot used twice"
         if not self.enable_prefix_caching:
@@ -250,7 +262,10 @@ class KVManager:
             h, _ = self._inactive.popitem(last=False)
             self._free_slots.append(self._slots.pop(h))
             del self._locals[h]
-            evicted.append(h)
+            if h in self._silent:
+                self._silent.discard(h)
+            else:
+                evicted.append(h)
             free += 1
         if evicted:
             self._emit(BlocksRemoved(block_hashes=evicted))

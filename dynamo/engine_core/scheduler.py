@@ -240,14 +240,20 @@ class Scheduler:
         if self.kv.num_slots_needed(full, n_unique) > self.kv.num_available_blocks:
             return False
         if full:
-            self.kv.use(full, local)
+            # Blocks received from a prefill worker are not announced: routers only index what
+            # this worker computed (the prefill worker owns the prompt's KV, FACTS §9.1).
+            self.kv.use(full, local, announce=not seq.pending_transfer)
         unique = self.kv.allocate_unique(n_unique)
         assert unique is not None  # room was checked above
         seq.full_blocks, seq.unique_blocks = full, unique
         seq.num_computed_tokens = computed
         seq.prefill_end = computed if seq.pending_transfer else n_tokens
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = computed
+            # A received prompt reports the prefill worker's prefix hit as its cached tokens.
+            handoff = seq.handoff
+            seq.num_cached_tokens = (
+                handoff.num_cached_tokens if seq.pending_transfer and handoff else computed
+            )
         seq.status = SequenceStatus.RUNNING
         return True
 

@@ -8,6 +8,7 @@ watches, so handlers share state with them without locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from granian.server.embed import Server
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.config import FrontendConfig
 from dynamo.frontend.dashboard import Dashboard
+from dynamo.frontend.disagg import Disaggregation
 from dynamo.frontend.errors import HTTPError
 from dynamo.frontend.exchange import StreamSink
 from dynamo.frontend.generate import GenerateHandler
@@ -28,8 +30,9 @@ from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
 from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
 from dynamo.preprocess import Preprocessor, load_model_dir
-from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
+from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
@@ -135,6 +138,7 @@ class FrontendService:
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry)
         WorkerLoadGauges(self.metrics.prefix, self.metrics.registry, self._worker_loads)
+        self.disagg = Disaggregation(config.disagg, self.runtime, self.metrics)
         self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
             self.runtime,
             self._build_pipeline,
@@ -172,7 +176,9 @@ class FrontendService:
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
         )
-        return ModelPipeline(card.served_model_name, preprocessor, self.metrics)
+        return ModelPipeline(
+            card.served_model_name, preprocessor, disagg=self.disagg, metrics=self.metrics
+        )
 
     def _worker_loads(self) -> Iterator[tuple[int, int, str, int, int]]:
         """Each KV router's view of its workers' load (the ``worker_active_*`` gauges)."""
@@ -196,7 +202,8 @@ class FrontendService:
         if mode == "random":
             return RandomRouter()
         if mode == "kv":
-            return await KVRouter.create(self.runtime, card, self.config.kv, self.router_metrics)
+            settings = role_settings(self.config.kv, card.role)
+            return await KVRouter.create(self.runtime, card, settings, self.router_metrics)
         return RoundRobinRouter()
 
     def _on_model_change(self, entry: ModelEntry[ModelPipeline], added: bool) -> None:
@@ -233,6 +240,7 @@ class FrontendService:
         """Start the runtime, follow model cards, and listen for HTTP."""
         if self._owns_runtime:
             await self.runtime.start()
+        await self.disagg.start()
         await self.registry.start()
         await self.dashboard.start(self.runtime)
         self._server = _Server(
@@ -288,5 +296,20 @@ class FrontendService:
             self._serve_task = None
         await self.dashboard.close()
         await self.registry.close()  # closes the models' routers too
+        await self.disagg.close()
         if self._owns_runtime:
             await self.runtime.shutdown()
+
+
+def role_settings(settings: KVRouterSettings, role: WorkerRole) -> KVRouterSettings:
+    """The KV router flags of one worker role (FACTS §4.6): a decode set's router gives no
+    credit for cached blocks, assumes no reuse (its blocks arrive by transfer, not shared) and
+    does not count prompt tokens (no prefill runs there); a prefill set's router tracks no active
+    blocks (prefill workers keep nothing once the KV is handed off)."""
+    if role is WorkerRole.DECODE:
+        return dataclasses.replace(
+            settings, overlap_score_credit=0.0, assume_kv_reuse=False, track_prefill_tokens=False
+        )
+    if role is WorkerRole.PREFILL:
+        return dataclasses.replace(settings, track_active_blocks=False)
+    return settings

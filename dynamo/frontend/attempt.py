@@ -26,10 +26,11 @@ from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.pipeline import ChoiceStats
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
-from dynamo.protocol.model_card import ModelCard
+from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import LLMEngineOutput
-from dynamo.protocol.request import PreprocessedRequest, RoutingHints
+from dynamo.protocol.request import PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Router, Selection
+from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import NoInstances, ResponseTimeout
 
@@ -144,23 +145,65 @@ async def attempts(
 
     Every load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
 
+    A disaggregated model (decode workers) first has its prompt prefilled on a prefill worker
+    when ``frontend/disagg.py`` decides so; the decode worker then resumes from the handoff.
+
     This is the loop of attempts with one iteration. Migration (issue 13) goes here: on a
     migratable error (CannotConnect, StreamIncomplete, Disconnected, ResponseTimeout,
     EngineShutdown, WorkerShutdown) while ``ctx`` is live and the budget allows, start another
     attempt on another instance with the tokens already yielded appended to the prompt.
     """
     router = entry.router
+    role = entry.serving_role()
     metrics = entry.pipeline.metrics if entry.pipeline is not None else None
     selection = route(router, request, candidates(entry), metrics)
-    request = tracing.with_traceparent(request)
+    request = tracing.with_traceparent(request)  # the worker's spans join this trace
     stats.selection = selection
-    stats.dispatched_at = time.monotonic()
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
-    client = entry.clients[entry.serving_role()]
-    body = _request_encoder.encode(placed(request, selection))
-    stream = client.stream_batches(body, ctx, instance_id=selection.instance_id)
-    dispatch = _DispatchStage(metrics, entry.serving_role().value)
+    try:
+        pipeline = entry.pipeline
+        disagg = pipeline.disagg if pipeline is not None else None
+        if role is WorkerRole.DECODE and disagg is not None:
+            prefill_links: list[TraceLink] = []
+            handoff = await disagg.prefill(
+                entry, request, selection, ctx, loads, timeouts, on_link=prefill_links.append
+            )
+            if handoff is not None:
+                request = msgspec.structs.replace(request, prefill_result=handoff)
+                # The decode worker's engine.generate span links to the prefill's.
+                link = prefill_links[-1] if prefill_links else None
+                request = tracing.with_predecessor(request, link)
+        stats.dispatched_at = time.monotonic()
+        body = _request_encoder.encode(placed(request, selection))
+        dispatch = _DispatchStage(metrics, role.value)
+        try:
+            async for outs in transport(
+                entry.clients[role], body, ctx, selection.instance_id, timeouts
+            ):
+                dispatch.done()
+                if not load.prefilled and any(o.token_ids for o in outs):
+                    load.first_token()
+                    for o in outs:
+                        if o.worker_trace_link is not None:
+                            stats.trace_link = o.worker_trace_link
+                yield outs
+        finally:
+            dispatch.done()
+    finally:
+        load.free()
+
+
+async def transport(
+    client: EndpointClient,
+    body: bytes,
+    ctx: Context,
+    instance_id: int,
+    timeouts: Timeouts,
+) -> AsyncGenerator[list[LLMEngineOutput], None]:
+    """One request-plane stream to ``instance_id``, decoded, in batches, under ``timeouts``
+    (:class:`ResponseTimeout` when the worker stays silent too long). Ends after the terminal."""
+    stream = client.stream_batches(body, ctx, instance_id=instance_id)
     receive = stream.__anext__
     decode = _output_decoder.decode
     watchdog: IdleTimer | None = None
@@ -189,7 +232,7 @@ async def attempts(
                     phase = "first response" if first else "next response"
                     limit = timeouts.first_response_s if first else timeouts.inter_chunk_s
                     raise ResponseTimeout(
-                        f"worker {selection.instance_id:x} sent no {phase} within {limit:g}s"
+                        f"worker {instance_id:x} sent no {phase} within {limit:g}s"
                     ) from None
                 raise
             if watchdog is not None:
@@ -197,25 +240,17 @@ async def attempts(
             outs = [decode(b) for b in raw] if len(raw) > 1 else [decode(raw[0])]
             if first:
                 first = False
-                dispatch.done()
                 if watchdog is not None:
                     if timeouts.inter_chunk_s > 0:
                         watchdog.set_period(timeouts.inter_chunk_s)
                     else:
                         watchdog.cancel()
                         watchdog = None
-            if not load.prefilled and any(o.token_ids for o in outs):
-                load.first_token()
-                for o in outs:
-                    if o.worker_trace_link is not None:
-                        stats.trace_link = o.worker_trace_link
             yield outs
     finally:
-        dispatch.done()
         if watchdog is not None:
             watchdog.cancel()
         await stream.aclose()
-        load.free()
 
 
 _PHASES = {"agg": "aggregated", "prefill": "prefill", "decode": "decode"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from dynamo.frontend.disagg import DisaggSettings
 from dynamo.router.config import KVRouterSettings
 from dynamo.runtime.config import RuntimeConfig, add_flag
 
@@ -26,6 +27,7 @@ class FrontendConfig:
     sse_keep_alive_s: float = 10.0
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
 
     def __post_init__(self) -> None:
         if self.router_mode not in ROUTER_MODES:
@@ -113,6 +115,7 @@ class FrontendConfig:
         )
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
+        DisaggSettings.add_arguments(parser)
         return parser
 
     @classmethod
@@ -131,4 +134,5 @@ class FrontendConfig:
             sse_keep_alive_s=args.sse_keep_alive_secs,
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),
+            disagg=DisaggSettings.from_args(args),
         )

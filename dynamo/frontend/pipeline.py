@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dynamo.frontend.logprobs import TokenLogprobs
 from dynamo.observability.metrics import FrontendMetrics
@@ -17,16 +18,21 @@ from dynamo.preprocess import Preprocessor
 from dynamo.protocol.request import TraceLink
 from dynamo.router.basic import Selection
 
+if TYPE_CHECKING:
+    from dynamo.frontend.disagg import Disaggregation
+
 
 @dataclass(slots=True)
 class ModelPipeline:
     """The per-model preprocessing (tokenizer, template, context length), built from the model's
     first serving (aggregated or decode) worker's card. Routers live in the registry's entry,
-    one per worker role."""
+    one per worker role. ``disagg`` decides and runs remote prefills when the model has decode
+    workers (None: the frontend never disaggregates)."""
 
     name: str
     preprocessor: Preprocessor
     metrics: FrontendMetrics | None = None  # the frontend's (stage timings of routing)
+    disagg: Disaggregation | None = None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ collectors that coalesce tokens when the consumer is slow (the loop never waits 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,7 +14,13 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dynamo.backend.capabilities import check_request
-from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
+from dynamo.backend.engine import (
+    DisaggCounters,
+    EngineConfig,
+    GenerateContext,
+    LLMEngine,
+    RankMetrics,
+)
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
@@ -71,6 +78,7 @@ class _Rank:
     last_load: WorkerLoad | None = None
     next_yield: float = 0.0
     hit_rate: HitRateWindow = field(default_factory=HitRateWindow)
+    disagg: DisaggCounters = field(default_factory=DisaggCounters)
 
 
 class MockerEngine(LLMEngine):
@@ -300,6 +308,11 @@ class MockerEngine(LLMEngine):
         for seq, token in out.tokens:
             if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
                 rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
+                if seq.handoff is not None:  # a received prompt: the modelled transfer
+                    isl = seq.num_prompt_tokens
+                    rank.disagg.handoffs += 1
+                    rank.disagg.transfer_bytes += isl * (self.config.kv_bytes_per_token or 0)
+                    rank.disagg.transfer_seconds += rank.scheduler.transfer_seconds(isl)
             col = collectors.get(seq.request_id)
             if col is not None:
                 col.tokens.append(token)
@@ -315,12 +328,14 @@ class MockerEngine(LLMEngine):
         reason = seq.finish_reason or FinishReason.STOP
         out = _terminal(reason, [], seq, seq.num_output_tokens)
         if self.config.disaggregation_mode == "prefill":
+            rank.disagg.handoffs += 1
             n_full = seq.num_prompt_tokens // self.config.block_size
             out.disaggregated_params = DisaggregatedParams(
                 prefill_worker_id=self.worker_id or 0,
                 prefill_dp_rank=rank.index,
                 block_hashes=seq.block_hashes[:n_full],
                 num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens or 0,
             )
         return out
 
@@ -378,6 +393,11 @@ class MockerEngine(LLMEngine):
                     num_waiting=sched.num_waiting + sum(seq is not None for seq, _ in rank.inbox),
                     prefix_cache_hit_rate=(
                         rank.hit_rate.rate if self.config.enable_prefix_caching else None
+                    ),
+                    disagg=(
+                        None
+                        if self.config.disaggregation_mode == "agg"
+                        else dataclasses.replace(rank.disagg)  # a copy: the loop keeps counting
                     ),
                 )
             )

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dynamo.backend.engine import RankMetrics
 from dynamo.observability.buckets import env_buckets
@@ -192,6 +192,26 @@ class FrontendMetrics:
             registry=r,
         )
 
+        # Disaggregation (frontend/disagg.py)
+        self.disagg_prefills = Counter(
+            f"{p}_disagg_prefills",
+            "Prefills of disaggregated models by where they ran (placement remote or local)",
+            ["model", "placement"],
+            registry=r,
+        )
+        self.disagg_queue_depth = Gauge(
+            f"{p}_disagg_prefill_queue_depth",
+            "Remote prefills waiting for a prefill worker",
+            ["model"],
+            registry=r,
+        )
+        self.disagg_remote_inflight = Gauge(
+            f"{p}_disagg_remote_prefills_inflight",
+            "Remote prefills dispatched and not finished",
+            ["model"],
+            registry=r,
+        )
+
     @contextmanager
     def stage(self, stage: str, phase: str = "") -> Iterator[None]:
         """Count a request in ``stage`` (``stage_requests``) and time it (``stage_duration``)."""
@@ -334,6 +354,13 @@ ENGINE_GAUGES = (
     ("dynamo_component_num_requests_running", "Requests running in the engine"),
     ("dynamo_component_num_requests_waiting", "Requests waiting for admission in the engine"),
 )
+# Disaggregation (per role: a prefill worker's handoffs are remote prefills it ran, a decode
+# worker's are the prompts it received; transfers are counted where the KV lands).
+DISAGG_COUNTERS = (
+    ("dynamo_component_disagg_handoffs", "Remote prefills handed off (prefill) or received"),
+    ("dynamo_component_kv_transfer_bytes", "KV bytes received from prefill workers"),
+    ("dynamo_component_kv_transfer_seconds", "Seconds spent receiving KV from prefill workers"),
+)
 ENGINE_LABELS = (
     "model",
     "dynamo_namespace",
@@ -369,6 +396,9 @@ class EngineGauges:
     def collect(self) -> Iterator[Metric]:
         families = [GaugeMetricFamily(n, doc, labels=ENGINE_LABELS) for n, doc in ENGINE_GAUGES]
         total, usage, hit_rate, running, waiting = families
+        handoffs, moved, moving = (
+            CounterMetricFamily(n, doc, labels=ENGINE_LABELS) for n, doc in DISAGG_COUNTERS
+        )
         for model, worker_id, ranks in self._source():
             for m in ranks:
                 labels = [model, *self._static, str(worker_id), str(m.dp_rank)]
@@ -378,7 +408,14 @@ class EngineGauges:
                     hit_rate.add_metric(labels, m.prefix_cache_hit_rate)
                 running.add_metric(labels, m.num_running)
                 waiting.add_metric(labels, m.num_waiting)
+                if m.disagg is not None:
+                    handoffs.add_metric(labels, m.disagg.handoffs)
+                    moved.add_metric(labels, m.disagg.transfer_bytes)
+                    moving.add_metric(labels, m.disagg.transfer_seconds)
         yield from families
+        for family in (handoffs, moved, moving):
+            if family.samples:
+                yield family
 
 
 class HitRateWindow:

@@ -17,6 +17,7 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefill_dp_rank: int = 0
     block_hashes: list[int] = msgspec.field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     engine_specific: dict[str, object] | None = None

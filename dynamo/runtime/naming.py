@@ -57,6 +57,11 @@ def model_cards_prefix(namespace: str) -> str:
     return f"v1/mdc/{namespace}/"
 
 
+def disagg_router_prefix(namespace: str) -> str:
+    """Run-time disaggregation thresholds, one key per model (the frontends watch it)."""
+    return f"v1/disagg_router/{namespace}/"
+
+
 def event_publishers_prefix(namespace: str) -> str:
     return f"v1/event_plane/{namespace}/"
 

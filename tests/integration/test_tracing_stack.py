@@ -3,9 +3,12 @@ request, preprocessing and routing spans and the worker's handling and engine.ge
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from opentelemetry.trace import StatusCode
 
+from dynamo.protocol.model_card import WorkerRole
 from tests.integration.conftest import Stack
 from tests.spans import SpanCapture
 
@@ -69,3 +72,29 @@ async def test_an_unknown_model_fails_its_request_span(stack: Stack, spans: Span
     root = spans.one("http-request")
     assert root.status.status_code is StatusCode.ERROR
     assert dict(root.attributes or {})["error_type"] == "not_found"
+
+
+async def test_a_decode_span_links_to_its_prefill_span(stack: Stack, spans: SpanCapture) -> None:
+    mocker = ("--speedup-ratio", "0", "--block-size", "16", "--num-gpu-blocks-override", "1024")
+    await stack.add_worker(*mocker, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*mocker, "--disaggregation-mode", "decode")
+    client = await stack.start_frontend()
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    async with asyncio.timeout(10):
+        while not stack.frontend.registry.get("demo").live_instance_ids(WorkerRole.PREFILL):
+            await asyncio.sleep(0.02)
+    prompt = " ".join(f"linked word{i}" for i in range(400))  # long: prefilled remotely
+    r = await client.post(
+        "/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": 4}
+    )
+    assert r.status_code == 200, r.text
+    gens = {dict(s.attributes or {})["disagg_role"]: s for s in spans.named("engine.generate")}
+    prefill, decode = gens["prefill"], gens["decode"]
+    assert prefill.context.trace_id == decode.context.trace_id
+    assert [(lk.context.trace_id, lk.context.span_id) for lk in decode.links] == [
+        (prefill.context.trace_id, prefill.context.span_id)
+    ]
+    attrs = dict(decode.attributes or {})
+    assert attrs["migration_span_id"] == f"{prefill.context.span_id:016x}"
+    assert len(spans.named("route")) == 2  # the decode worker's and the prefill worker's

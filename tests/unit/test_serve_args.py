@@ -122,3 +122,28 @@ def test_rendered_flags_parse_back_to_the_same_values() -> None:
     argv = [tok for action, value in actions for tok in _render(action, value)]
     parsed = vars(p.parse_args(argv))
     assert parsed == {a.dest: v for a, v in actions}
+
+
+def test_prefill_and_decode_workers_get_their_role() -> None:
+    p = plan(["--prefill-workers", "1", "--decode-workers", "2", "--speedup-ratio", "0"])
+    assert p.roles == ("prefill", "decode", "decode")
+    assert "--disaggregation-mode=prefill" in p.worker_argv("prefill")
+    assert "--speedup-ratio=0.0" in p.worker_argv("decode")
+    assert p.worker_config("decode").disaggregation_mode == "decode"
+    assert plan([]).roles == ("agg", "agg")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-workers", "1"], "--prefill-workers needs --decode-workers"),
+        (["--decode-workers", "-1"], "must be >= 0"),
+        (["--disaggregation-mode", "prefill"], "unrecognized arguments"),  # serve sets roles
+    ],
+)
+def test_bad_disaggregation_flags(
+    no_children: None, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        serve.main(argv)
+    assert message in capsys.readouterr().err

@@ -236,3 +236,19 @@ def test_events_rebuild_the_block_set_like_a_brute_force_model(
     for _, hashes, ids in held:
         kv.release(hashes, ids)
     assert kv.num_active_blocks == 0
+
+
+def test_received_blocks_are_cached_but_never_announced() -> None:
+    """A decode worker's blocks received from a prefill worker: no Stored event, and no Removed
+    event when they are evicted; blocks it computes itself are announced as usual."""
+    kv = KVManager(3)
+    seq, local = chain(list(range(8)))
+    kv.use(seq, local, announce=False)
+    assert kv.drain_events() == []
+    assert kv.num_cached_prefix(seq) == 2  # a later local request still hits them
+    kv.release(seq, [])
+    other, other_local = chain(list(range(100, 112)))
+    kv.use(other, other_local)  # evicts the two received blocks
+    events = kv.drain_events()
+    assert [type(e.data) for e in events] == [BlocksStored]
+    kv.check_invariants()

@@ -121,7 +121,20 @@ def test_disaggregated_ttft(
     d = simulate(decode, [(p.times[0], "r", req)])["r"]
     assert (d.times[0] - p.arrival) * 1000 == approx(expected_ms)
     assert d.itls_ms[0] == approx(D(1025))
-    assert d.cached_tokens == 1023  # no local prefill: the prompt's KV was transferred
+    # No local prefill (the prompt's KV was transferred); the cached tokens reported are the
+    # prefill worker's prefix hit (the handoff says none), not the transferred prompt.
+    assert d.cached_tokens == 0
+    again = make_request(
+        1024,
+        3,
+        prefill_result=DisaggregatedParams(
+            prefill_worker_id=1, num_prompt_tokens=1024, num_cached_tokens=512
+        ),
+    )
+    assert (
+        simulate(scheduler(disaggregation_mode="decode"), [(0.0, "s", again)])["s"].cached_tokens
+        == 512
+    )
 
 
 # -- clocks ----------------------------------------------------------------------------------

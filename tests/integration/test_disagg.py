@@ -1,0 +1,221 @@
+"""Disaggregated serving through the whole stack in one process (issue 16): a prefill and a decode
+mocker worker behind the frontend; long prompts are prefilled remotely, short ones locally."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+
+from dynamo.backend.worker import Worker
+from dynamo.frontend.disagg import DisaggOverrides, set_overrides
+from dynamo.protocol.model_card import WorkerRole
+from tests.integration.conftest import Stack
+
+pytestmark = pytest.mark.integration
+
+MOCKER = ("--speedup-ratio", "0", "--block-size", "16", "--num-gpu-blocks-override", "1024")
+
+
+def long_prompt(tag: str, words: int = 400) -> str:
+    return " ".join(f"{tag} word{i}" for i in range(words))
+
+
+async def chat(stack: Stack, text: str, max_tokens: int = 8, **extra: object) -> dict:
+    assert stack.client is not None
+    r = await stack.client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            **extra,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def handoffs(worker: Worker) -> int:
+    """The worker's disaggregated handoffs on its /metrics (prefill: produced; decode:
+    received)."""
+    text = generate_latest(worker.metrics_registry).decode()
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("dynamo_component_disagg_handoffs_total{")
+        )
+    )
+
+
+def blocks_in_use(worker: Worker) -> int:
+    text = generate_latest(worker.metrics_registry).decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("dynamo_component_gpu_cache_usage_percent{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total * 1024)
+
+
+def frontend_metric(stack: Stack, line_start: str) -> float:
+    assert stack.frontend is not None
+    text = generate_latest(stack.frontend.metrics.registry).decode()
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def disagg_stack(stack: Stack, *frontend_flags: object, **frontend: object) -> None:
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "decode")
+    await stack.start_frontend(**frontend)
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    async with asyncio.timeout(10):
+        while not stack.frontend.registry.get("demo").live_instance_ids(WorkerRole.PREFILL):
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("router_mode", ["kv", "round-robin"])
+async def test_long_prompts_prefill_remotely_short_ones_locally(
+    stack: Stack, router_mode: str
+) -> None:
+    await disagg_stack(stack, router_mode=router_mode)
+    prefill, decode = stack.workers
+    for i in range(3):
+        body = await chat(stack, long_prompt(f"long{i}"))
+        assert body["usage"]["completion_tokens"] == 8  # the prefill token is not sent twice
+        assert body["usage"]["prompt_tokens"] > 1000
+    assert handoffs(prefill) == handoffs(decode) == 3
+    for i in range(3):
+        body = await chat(stack, f"a short question {i}")
+        assert body["usage"]["completion_tokens"] == 8
+    assert handoffs(prefill) == handoffs(decode) == 3  # short prompts stayed on the decode side
+    placed = 'dynamo_frontend_disagg_prefills_total{model="demo",placement='
+    assert frontend_metric(stack, placed + '"remote"}') == 3
+    assert frontend_metric(stack, placed + '"local"}') == 3
+    assert [blocks_in_use(w) for w in stack.workers] == [0, 0]
+
+
+async def test_cached_tokens_are_the_prefill_workers_prefix_hit(stack: Stack) -> None:
+    await disagg_stack(stack, router_mode="kv")
+    text = long_prompt("shared", 500)
+    first = await chat(stack, text)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = await chat(stack, text)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (second["usage"]["prompt_tokens"] // 16 - 1) * 16
+
+
+async def test_thresholds_change_at_run_time_through_discovery(stack: Stack) -> None:
+    await disagg_stack(stack, router_mode="kv")
+    prefill, decode = stack.workers
+    assert stack.frontend is not None
+    runtime = stack.frontend.runtime
+    await set_overrides(
+        runtime.discovery, runtime.namespace, "demo", DisaggOverrides(max_local_prefill_length=10)
+    )
+    async with asyncio.timeout(5):
+        while stack.frontend.disagg.thresholds("demo")[0] != 10:
+            await asyncio.sleep(0.02)
+    await chat(stack, "a short question that now goes remote")
+    assert handoffs(prefill) == 1
+    await set_overrides(
+        runtime.discovery, runtime.namespace, "demo", DisaggOverrides(max_prefill_queue_size=0)
+    )
+    async with asyncio.timeout(5):
+        while stack.frontend.disagg.thresholds("demo")[1] != 0:
+            await asyncio.sleep(0.02)
+    await chat(stack, long_prompt("queue-full"))  # the queue bound forbids a remote prefill
+    assert handoffs(prefill) == handoffs(decode) == 1
+
+
+async def test_streamed_disagg_request_has_one_first_token_and_usage(stack: Stack) -> None:
+    await disagg_stack(stack, router_mode="kv")
+    assert stack.client is not None
+    async with stack.client.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "demo",
+            "prompt": long_prompt("stream"),
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+    assert '"completion_tokens":5' in lines[-1]
+    assert handoffs(stack.workers[0]) == 1
+
+
+async def test_block_accounting_returns_to_zero_after_500_requests_with_cancellations(
+    stack: Stack,
+) -> None:
+    """Remote and local prefills, some streams dropped by the client mid-way, some stopped by
+    a disconnect before the first token: afterwards no block is held on either worker and no
+    load is left in either router."""
+    speed = ("--speedup-ratio", "50", "--block-size", "16", "--num-gpu-blocks-override", "4096")
+    await stack.add_worker(*speed, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*speed, "--disaggregation-mode", "decode")
+    await stack.start_frontend(router_mode="kv")
+    await stack.wait_for_model()
+    assert stack.frontend is not None and stack.client is not None
+    client = stack.client
+    gate = asyncio.Semaphore(24)
+    outcomes: dict[str, int] = {"done": 0, "dropped": 0, "early": 0}
+
+    async def one(i: int) -> None:
+        text = long_prompt(f"r{i}", 300) if i % 3 == 0 else f"question number {i} please"
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with gate:
+            if i % 7 == 0:  # gone before the first token (during a remote prefill, often)
+                try:
+                    async with asyncio.timeout(0.002):
+                        await client.post("/v1/chat/completions", json=body)
+                except TimeoutError:
+                    outcomes["early"] += 1
+                    return
+                outcomes["done"] += 1
+                return
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = 0
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if i % 5 == 0 and chunks == 3:
+                        outcomes["dropped"] += 1
+                        return  # the client walks away mid-stream
+            outcomes["done"] += 1
+
+    await asyncio.gather(*(one(i) for i in range(500)))
+    assert outcomes["dropped"] > 50 and outcomes["done"] > 250, outcomes
+    async with asyncio.timeout(10):
+        while True:
+            held = [
+                r.kv_used_blocks
+                for w in stack.workers
+                for e in w.engines
+                for r in e.metrics_snapshot()
+            ]
+            routers = stack.frontend.registry.live_routers()
+            loads = sum(len(r.sequences) for r in routers)  # type: ignore[attr-defined]
+            if held == [0, 0] and loads == 0:
+                break
+            await asyncio.sleep(0.05)
+    for w in stack.workers:
+        for e in w.engines:
+            e.check_invariants()  # type: ignore[attr-defined]
+    assert handoffs(stack.workers[0]) > 50
