@@ -22,6 +22,7 @@ worker_trace_link``); whoever starts the successor request passes that link on w
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -32,7 +33,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.trace import Link, Span, SpanContext, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from dynamo.protocol.request import PreprocessedRequest, TraceLink
@@ -41,6 +42,7 @@ EXPORT_ENV = "OTEL_EXPORT_ENABLED"
 _TRUE = {"1", "true", "yes", "on"}
 _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None
 _recording = False
 
 
@@ -124,10 +126,64 @@ def shutdown_tracing() -> None:
 
 
 def tracer() -> trace.Tracer:
-    """The tracer every dynamo span comes from (the provider is set up on first use)."""
-    if _provider is None:
-        setup_tracing("dynamo")
-    return trace.get_tracer("dynamo")
+    """The tracer every dynamo span comes from (the provider is set up on first use).
+
+    While nothing records (:func:`recording`), spans are local only: valid ids that continue
+    the parent's trace (so log lines carry the trace id and the request carries a
+    ``traceparent`` a downstream process that does export continues), without the SDK's per-span
+    bookkeeping. ``OTEL_SDK_DISABLED=true`` turns even those off."""
+    global _tracer
+    if _tracer is None:
+        provider = setup_tracing("dynamo")
+        _tracer = provider.get_tracer("dynamo")  # built once: get_tracer is slow
+    if _recording or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return _tracer
+    return _LOCAL
+
+
+class _LocalTracer(trace.Tracer):
+    """Spans with ids and nothing else (see :func:`tracer`)."""
+
+    def start_span(
+        self,
+        name: str,
+        context: Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> Span:
+        parent = trace.get_current_span(context).get_span_context()
+        if parent.is_valid:
+            trace_id, flags = parent.trace_id, parent.trace_flags
+        else:
+            trace_id, flags = _random.getrandbits(128) or 1, _SAMPLED
+        span_id = _random.getrandbits(64) or 1
+        return NonRecordingSpan(SpanContext(trace_id, span_id, False, flags))
+
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]
+        self,
+        name: str,
+        context: Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
+    ) -> Iterator[Span]:
+        span = self.start_span(name, context)
+        with trace.use_span(span, end_on_exit=False) as current:
+            yield current
+
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_random = random.Random()
+_LOCAL = _LocalTracer()
 
 
 # -- context across processes ----------------------------------------------------------------

@@ -114,3 +114,18 @@ def test_unknown_otlp_protocol_is_a_config_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ValueError, match="carrier-pigeon"):
         tracing._otlp_exporter()  # noqa: SLF001
+
+
+def test_local_spans_carry_ids_without_recording() -> None:
+    local = tracing._LOCAL  # noqa: SLF001 - what tracer() returns while nothing records
+    root = local.start_span("root")
+    ctx = root.get_span_context()
+    assert ctx.is_valid and ctx.trace_flags.sampled and not root.is_recording()
+    child = local.start_span("child", context=tracing.parent_context(tracing.traceparent(root)))
+    assert child.get_span_context().trace_id == ctx.trace_id
+    assert child.get_span_context().span_id != ctx.span_id
+    with local.start_as_current_span("current") as current:
+        assert tracing.traceparent() == tracing.traceparent(current)
+        nested = local.start_span("nested")
+    assert nested.get_span_context().trace_id == current.get_span_context().trace_id
+    assert tracing.traceparent() is None  # restored
