@@ -17,6 +17,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dynamo.observability.metrics import WorkerMetrics
+from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.http_server import HttpServer
 
 _encoder = msgspec.json.Encoder()
@@ -55,7 +56,7 @@ class StatusServer:
             _path("DYN_SYSTEM_HEALTH_PATH", "/health"),
             _path("DYN_SYSTEM_LIVE_PATH", "/live"),
         )
-        self._server = HttpServer(self, host, port)
+        self._server = HttpServer(self, host, port, limits=HttpLimits.from_env())
 
     @property
     def port(self) -> int:

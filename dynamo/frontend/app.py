@@ -8,24 +8,30 @@ watches, so handlers share state with them without locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Iterator
 from typing import Any
 
-from granian._granian import ListenerSpec
+from granian._granian import ListenerSpec, RSGIProtocolClosed, RSGIProtocolError
+from granian.http import HTTP1Settings
 from granian.server.embed import Server
 
+from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.config import FrontendConfig
 from dynamo.frontend.dashboard import Dashboard
 from dynamo.frontend.disagg import Disaggregation
 from dynamo.frontend.errors import HTTPError
-from dynamo.frontend.exchange import StreamSink
+from dynamo.frontend.exchange import ClientDisconnected, StreamSink
 from dynamo.frontend.generate import GenerateHandler
+from dynamo.frontend.idle_reaper import IdleReaper, Peer, parse_peer
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
+from dynamo.frontend.offload import Offload
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
 from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
@@ -34,6 +40,7 @@ from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
+from dynamo.runtime.http_limits import raise_fd_limit
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
@@ -64,20 +71,24 @@ class _RSGIStream:
     async def send(self, data: bytes) -> None:
         if self._transport is None:
             raise ConnectionError("the response stream has ended")
-        await self._transport.send_bytes(data)
+        try:
+            await self._transport.send_bytes(data)
+        except (RSGIProtocolClosed, RSGIProtocolError) as exc:
+            raise ClientDisconnected("the client closed the connection") from exc
 
 
 class _RSGIExchange:
     """Adapts one granian RSGI request to the handlers' :class:`Exchange`."""
 
-    __slots__ = ("method", "path", "_scope", "_protocol", "_stream")
+    __slots__ = ("method", "path", "_scope", "_protocol", "_stream", "_body_timeout_s")
 
-    def __init__(self, scope: Any, protocol: Any) -> None:
+    def __init__(self, scope: Any, protocol: Any, body_timeout_s: float = 30.0) -> None:
         self.method: str = scope.method
         self.path: str = scope.path
         self._scope = scope
         self._protocol = protocol
         self._stream: _RSGIStream | None = None
+        self._body_timeout_s = body_timeout_s
 
     def release(self) -> None:
         """Drop our references to granian's transport: granian ends a streamed response when its
@@ -94,10 +105,21 @@ class _RSGIExchange:
 
     async def body(self, limit: int) -> bytes:
         declared = self.header("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                return await self._read_body(declared, limit)
+        except TimeoutError:
+            raise HTTPError(408, "the request body was not received in time") from None
+        except (RSGIProtocolClosed, RSGIProtocolError) as exc:
+            raise ClientDisconnected("the client went away while sending its body") from exc
+
+    async def _read_body(self, declared: str | None, limit: int) -> bytes:
         if declared is not None and declared.isdigit():
-            if int(declared) > limit:
-                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
             data: bytes = await self._protocol()  # the server enforces the declared length
+            if len(data) != int(declared):  # granian hands over what came before a half-close
+                raise ClientDisconnected("the client went away while sending its body")
             return data
         # chunked (no length declared): read piece by piece, so that an oversized body is
         # refused once it passes the limit instead of being buffered whole first
@@ -155,6 +177,8 @@ class FrontendService:
             namespace=config.runtime.namespace,
             timeouts=Timeouts(config.first_response_timeout_s, config.inter_chunk_timeout_s),
             keep_alive_s=config.sse_keep_alive_s,
+            admission=Admission(config.admission_factor),
+            offload=Offload(config.preprocess_threads, config.preprocess_queue),
         )
         self.dashboard = Dashboard(self.registry, self.metrics, self._worker_loads)
         self.generate.observers.append(self.dashboard.observe)
@@ -167,6 +191,9 @@ class FrontendService:
         )
         self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
+        self._reaper_task: asyncio.Task[None] | None = None
+        # peers with a request in the handler: the idle reaper leaves their connections alone
+        self._active_peers: Counter[Peer] = Counter()
         self.port = config.http_port
 
     async def _build_pipeline(self, card: ModelCard) -> ModelPipeline:
@@ -229,11 +256,19 @@ class FrontendService:
     async def __call__(self, scope: Any, protocol: Any) -> None:
         if scope.proto != "http":
             return
-        http = _RSGIExchange(scope, protocol)
+        http = _RSGIExchange(scope, protocol, self.config.limits.body_timeout_s)
+        peer = parse_peer(scope.client)
+        peers = self._active_peers
+        if peer is not None:
+            peers[peer] += 1
         try:
             await self.routes(http)
         finally:
             http.release()
+            if peer is not None:
+                peers[peer] -= 1
+                if not peers[peer]:
+                    del peers[peer]
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -243,15 +278,30 @@ class FrontendService:
         await self.disagg.start()
         await self.registry.start()
         await self.dashboard.start(self.runtime)
+        limits = self.config.limits
+        # granian serves at most ``backpressure`` connections; more wait in the listen backlog.
+        # Its header read timeout also closes idle keep-alive connections (hyper arms it while
+        # waiting for the next request's head), so idle sockets cannot hold those places.
+        raise_fd_limit(limits.max_connections + 1024)
         self._server = _Server(
             self,
             address=self.config.http_host,
             port=self.config.http_port,
             log_enabled=False,
             backlog=1024,
+            backpressure=limits.max_connections,
+            http1_settings=HTTP1Settings(
+                header_read_timeout=int(
+                    min(limits.header_timeout_s, limits.keep_alive_timeout_s) * 1000
+                ),
+                max_buffer_size=max(limits.max_header_bytes, 8192),
+            ),
         )
         self._serve_task = asyncio.create_task(self._server.serve(), name="frontend-http")
         await self._wait_listening()
+        if IdleReaper.supported():
+            reaper = IdleReaper(self.port, limits.header_timeout_s, self._active_peers.keys)
+            self._reaper_task = asyncio.create_task(reaper.run(), name="frontend-idle-reaper")
         log.info("frontend listening on http://%s:%d", self.config.http_host, self.port)
 
     async def _wait_listening(self, timeout: float = 10.0) -> None:
@@ -285,6 +335,11 @@ class FrontendService:
         while self.generate.inflight and loop.time() < deadline:
             await asyncio.sleep(0.02)
         self.generate.cancel_all()
+        if self._reaper_task is not None:
+            self._reaper_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper_task
+            self._reaper_task = None
         if self._server is not None:
             self._server.workers_kill_timeout = 3
             self._server.stop()  # type: ignore[no-untyped-call]
@@ -295,6 +350,7 @@ class FrontendService:
                 log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
         await self.dashboard.close()
+        self.generate.offload.close()
         await self.registry.close()  # closes the models' routers too
         await self.disagg.close()
         if self._owns_runtime:

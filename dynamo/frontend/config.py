@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.router.config import KVRouterSettings
 from dynamo.runtime.config import RuntimeConfig, add_flag
+from dynamo.runtime.http_limits import HttpLimits
 
 ROUTER_MODES = ("round-robin", "random", "kv")
 
@@ -25,6 +26,10 @@ class FrontendConfig:
     first_response_timeout_s: float = 600.0
     inter_chunk_timeout_s: float = 300.0
     sse_keep_alive_s: float = 10.0
+    admission_factor: float = 2.0
+    preprocess_threads: int = 2
+    preprocess_queue: int = 16
+    limits: HttpLimits = field(default_factory=HttpLimits)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
     disagg: DisaggSettings = field(default_factory=DisaggSettings)
@@ -36,6 +41,10 @@ class FrontendConfig:
             raise ValueError("max in-flight requests must be at least 1")
         if self.overload_status not in (503, 529):
             raise ValueError("overload status must be 503 or 529")
+        if self.admission_factor < 0:
+            raise ValueError("admission factor must be >= 0 (0 disables load shedding)")
+        if self.preprocess_threads < 1 or self.preprocess_queue < 1:
+            raise ValueError("preprocess threads and queue must be at least 1")
         for name in ("first_response_timeout_s", "inter_chunk_timeout_s", "sse_keep_alive_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
@@ -113,6 +122,30 @@ class FrontendConfig:
             type=float,
             help="an SSE stream idle this long gets a ': keep-alive' comment (0: never)",
         )
+        add_flag(
+            parser,
+            "--admission-factor",
+            default=d.admission_factor,
+            type=float,
+            help="load shedding: a model admits this many times the requests its workers "
+            "advertise they run at once (max_num_seqs); more get --overload-status at once "
+            "(0: no shedding)",
+        )
+        add_flag(
+            parser,
+            "--preprocess-threads",
+            default=d.preprocess_threads,
+            type=int,
+            help="threads that decode, template and tokenize large requests off the event loop",
+        )
+        add_flag(
+            parser,
+            "--preprocess-queue",
+            default=d.preprocess_queue,
+            type=int,
+            help="large requests preprocessed at once; more are refused with --overload-status",
+        )
+        HttpLimits.add_arguments(parser)
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
         DisaggSettings.add_arguments(parser)
@@ -132,6 +165,10 @@ class FrontendConfig:
             first_response_timeout_s=args.first_response_timeout_secs,
             inter_chunk_timeout_s=args.inter_chunk_timeout_secs,
             sse_keep_alive_s=args.sse_keep_alive_secs,
+            admission_factor=args.admission_factor,
+            preprocess_threads=args.preprocess_threads,
+            preprocess_queue=args.preprocess_queue,
+            limits=HttpLimits.from_args(args),
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),
             disagg=DisaggSettings.from_args(args),

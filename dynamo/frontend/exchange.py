@@ -11,6 +11,11 @@ from collections.abc import Awaitable
 from typing import Protocol
 
 
+class ClientDisconnected(ConnectionError):
+    """The client went away (closed or half-closed its connection) before the exchange ended:
+    a cancellation, never a server error."""
+
+
 class StreamSink(Protocol):
     async def send(self, data: bytes) -> None:
         """Write to the client; raises (ConnectionError or the server's error) once it is gone."""
@@ -27,7 +32,8 @@ class Exchange(Protocol):
     def header(self, name: str) -> str | None: ...
 
     async def body(self, limit: int) -> bytes:
-        """The request body; HTTPError 413 beyond ``limit`` bytes."""
+        """The request body; HTTPError 413 beyond ``limit`` bytes, HTTPError 408 when the client
+        does not send it in time, ClientDisconnected when it goes away before its end."""
         ...
 
     def reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None: ...

@@ -1,9 +1,14 @@
 """The generate endpoints (/v1/chat/completions, /v1/completions): parse, admit and format.
 
-Everything a request holds (ids, context, stats, router loads, metrics) belongs to its
-:class:`InflightRequest`; the tokens come from ``choice.run_choices`` (choices over attempts).
-The handler turns them into an SSE stream or one JSON response, and every path ends in the
-request's ``finish()``.
+Everything a request holds (ids, context, stats, router loads, admission ticket, metrics)
+belongs to its :class:`InflightRequest`; the tokens come from ``choice.run_choices`` (choices
+over attempts). The handler turns them into an SSE stream or one JSON response, and every path
+ends in the request's ``finish()``.
+
+Order of admission: the body is read first (a client slow to send it holds only its connection,
+which the body timeout ends, never an in-flight place), then the frontend-wide in-flight limit,
+then the model's capacity (``admission.py``). Decoding and preprocessing of a large body run off
+the event loop (``offload.py``).
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ from collections.abc import Callable
 import msgspec
 from opentelemetry import context as otel_context
 
+from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.capabilities import check_supported, serving_capabilities
 from dynamo.frontend.choice import run_choices
-from dynamo.frontend.errors import error_payload, to_http
-from dynamo.frontend.exchange import Exchange
+from dynamo.frontend.errors import HTTPError, to_http
+from dynamo.frontend.exchange import ClientDisconnected, Exchange
 from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.keepalive import KeepAliveSink
-from dynamo.frontend.logprobs import TokenLogprobs, response_extras
+from dynamo.frontend.logprobs import ResponseExtras, TokenLogprobs, response_extras
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
+from dynamo.frontend.offload import Offload
 from dynamo.frontend.pipeline import ChoiceDelta, ModelPipeline, RunStats
 from dynamo.frontend.request_params import prepare_request, wants, wants_timing
 from dynamo.frontend.streaming import (
@@ -39,7 +46,7 @@ from dynamo.frontend.streaming import (
 from dynamo.frontend.timing import timing_info
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
-from dynamo.preprocess import Prepared
+from dynamo.preprocess import Prepared, Preprocessor
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import NoInstances, Overloaded
@@ -64,6 +71,8 @@ class GenerateHandler:
         namespace: str = "dynamo",
         timeouts: Timeouts | None = None,
         keep_alive_s: float = 0.0,
+        admission: Admission | None = None,
+        offload: Offload | None = None,
     ) -> None:
         self._registry = registry
         self._m = metrics
@@ -77,6 +86,8 @@ class GenerateHandler:
         self._live: set[InflightRequest] = set()
         # Called once with every finished request (the dashboard).
         self.observers: list[Callable[[InflightRequest], None]] = []
+        self.admission = admission or Admission()
+        self.offload = offload or Offload()
 
     @property
     def inflight(self) -> int:
@@ -118,23 +129,34 @@ class GenerateHandler:
         if self.draining:
             inflight.fail(http, NoInstances("the frontend is shutting down"))
             return
+        try:
+            body = await http.body(self._body_limit)
+        except ClientDisconnected:
+            # a half-closed client may still read: tell it (400), but count a cancellation
+            reply = to_http(HTTPError(400, "the request body ended before its declared end"))
+            http.reply(reply.status, [*JSON_HEADERS, *inflight.id_headers], reply.body)
+            inflight.disconnected()
+            return
+        except Exception as exc:
+            inflight.fail(http, exc, self._overload_status)
+            return
         if len(self._live) >= self._max_inflight:
             inflight.fail(http, Overloaded("too many requests in flight"), self._overload_status)
             return
         self._live.add(inflight)
         try:
             try:
-                body = await http.body(self._body_limit)
-                req: OpenAIRequest
-                if endpoint == "chat_completions":
-                    req = _chat_decoder.decode(body)
-                else:
-                    req = _completion_decoder.decode(body)
+                offload = self.offload
+                decoder = _chat_decoder if endpoint == "chat_completions" else _completion_decoder
+                req: OpenAIRequest = await offload.run(len(body), decoder.decode, body)
+                del body  # a large prompt's bytes are not held while it is served
                 inflight.request_type = "stream" if req.stream else "unary"
                 entry = self._registry.get(req.model)
                 inflight.model = req.model
                 assert entry.pipeline is not None  # get() returns servable models only
-                check_supported(req, serving_capabilities(entry.cards_of(entry.serving_role())))
+                cards = entry.cards_of(entry.serving_role())
+                check_supported(req, serving_capabilities(cards))
+                inflight.ticket = self.admission.admit(req.model, cards)
                 preprocessor = entry.pipeline.preprocessor
                 inflight.worker_type = entry.serving_role().value
                 with (
@@ -142,8 +164,10 @@ class GenerateHandler:
                     tracing.tracer().start_as_current_span("preprocess") as span,
                 ):
                     began = time.perf_counter()
-                    prepared = prepare_request(preprocessor, req, inflight.engine_id)
-                    extras = response_extras(req, prepared, preprocessor.tokenizer)
+                    size = _prompt_size(req)
+                    prepared, extras = await offload.run(
+                        size, _preprocess, preprocessor, req, inflight
+                    )
                     elapsed_ms = (time.perf_counter() - began) * 1000.0
                     self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
@@ -219,15 +243,15 @@ class GenerateHandler:
             await sink.send(b"".join(tail))
             inflight.finish()
         except Exception as exc:
-            if disconnect.done():
+            if disconnect.done() or isinstance(exc, ClientDisconnected):
                 inflight.disconnected()
                 return
-            error_type = to_http(exc, self._overload_status).error_type
+            reply = to_http(exc, self._overload_status)  # once: it logs unexpected errors
             try:  # an error after streaming began: an SSE error event, then [DONE]
-                await sink.send(sse(error_payload(exc), "error") + DONE)
+                await sink.send(sse(reply.body, "error") + DONE)
             except Exception:
                 pass
-            inflight.finish("error", error_type)
+            inflight.finish("error", reply.error_type)
         finally:
             sink.close()
             disconnect.cancel()
@@ -265,7 +289,7 @@ class GenerateHandler:
                 if delta.token_ids:
                     token_ids.extend(delta.token_ids)
         except Exception as exc:
-            if disconnect.done():
+            if disconnect.done() or isinstance(exc, ClientDisconnected):
                 inflight.disconnected()
             else:
                 inflight.fail(http, exc, self._overload_status)
@@ -286,6 +310,31 @@ class GenerateHandler:
         body = fmt.response(["".join(t) for t in texts], reasons, u, nvext or None, lps)
         http.reply(200, [*JSON_HEADERS, *inflight.id_headers], body)
         inflight.finish()
+
+
+def _prompt_size(req: OpenAIRequest) -> int:
+    """About how many characters preprocessing will handle (decides inline or offloaded)."""
+    if isinstance(req, CompletionRequest):
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) if isinstance(p, str | list) else 1 for p in prompt)
+    size = 0
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, str):
+            size += len(content)
+        elif content is not None:
+            size += sum(len(str(part.get("text", ""))) for part in content)
+    return size
+
+
+def _preprocess(
+    preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
+) -> tuple[list[Prepared], ResponseExtras | None]:
+    """Template, tokenize and shape ``req`` (pure CPU work: may run on the offload pool)."""
+    prepared = prepare_request(preprocessor, req, inflight.engine_id)
+    return prepared, response_extras(req, prepared, preprocessor.tokenizer)
 
 
 # -- formatting helpers ----------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """The one owner of a generate request, from admission to :meth:`InflightRequest.finish`.
 
-It holds the request's ids, its ``Context``, its timing and usage (``RunStats``), its formatter
-and the router loads its attempts added. ``finish()`` is idempotent and the only place that
-records the request's metrics (``requests_total`` exactly once, whatever the path: rejection,
-validation error, engine error before or after the first token, disconnect, success) and frees
-its router load (each load exactly once), and ends the request's root span (``http-request``,
-opened at arrival under the client's W3C ``traceparent`` if it sent one).
+It holds the request's ids, its ``Context``, its timing and usage (``RunStats``), its formatter,
+its admission ticket (``admission.py``) and the router loads its attempts added. ``finish()`` is
+idempotent and the only place that records the request's metrics (``requests_total`` exactly
+once, whatever the path: rejection, validation error, engine error before or after the first
+token, disconnect, success), releases its admission ticket, frees its router load (each load
+exactly once) and ends the request's root span (``http-request``, opened at arrival under the
+client's W3C ``traceparent`` if it sent one).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from dynamo.frontend.admission import Ticket
 from dynamo.frontend.attempt import Load
 from dynamo.frontend.errors import to_http
 from dynamo.frontend.exchange import Exchange
@@ -49,6 +51,7 @@ class InflightRequest:
         "stats",
         "fmt",
         "loads",
+        "ticket",
         "finished",
         "span",
         "queued",
@@ -89,6 +92,7 @@ class InflightRequest:
         self.stats: RunStats | None = None
         self.fmt: Formatter | None = None
         self.loads: list[Load] = []
+        self.ticket: Ticket | None = None
         self.finished = False
         self.status = ""  # "success" or "error" once finished
         self.queued = False  # admitted, no response yet (the queued_requests gauge)
@@ -169,6 +173,8 @@ class InflightRequest:
             return
         self.finished = True
         self.status = status
+        if self.ticket is not None:
+            self.ticket.release()
         for load in self.loads:
             load.free()
         m = self._metrics

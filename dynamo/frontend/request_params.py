@@ -20,6 +20,8 @@ SUPPORTED_EXTRA_FIELDS = ("worker_id", "timing")
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _guided_values = attrgetter(*_GUIDED_FIELDS)  # one C call for the common "none set" case
 _NO_GUIDED = (None,) * len(_GUIDED_FIELDS)
+MAX_ENGINE_REQUESTS = 1024
+"""Most engine requests (prompts of a batch x n) one HTTP request may fan out to."""
 
 
 def prepare_request(
@@ -81,6 +83,12 @@ def prepare_request(
             prompts = normalize_prompt(req.prompt)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
+        if len(prompts) * req.n > MAX_ENGINE_REQUESTS:
+            raise InvalidArgument(
+                f"a request may hold at most {MAX_ENGINE_REQUESTS} prompts x n; "
+                f"this one has {len(prompts)} x {req.n}",
+                param="prompt",
+            )
         batch: Any = prompts if len(prompts) > 1 else prompts[0]
         base = pre.completion(batch, params)
     return _expand_n(base, req.n)

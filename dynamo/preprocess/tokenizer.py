@@ -44,6 +44,15 @@ def _is_byte_level_decoder(decoder: Any) -> bool:
     return False
 
 
+def _max_token_chars(raw: tokenizers.Tokenizer, model: Any) -> int | None:
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None
+    if model.get("fuse_unk") and not model.get("byte_fallback"):
+        return None  # runs of unknown characters fuse into one token
+    vocab = raw.get_vocab(with_added_tokens=True)
+    return max((len(token) for token in vocab), default=1) or 1
+
+
 class Tokenizer:
     """Encodes and decodes text with a model's ``tokenizer.json``.
 
@@ -58,6 +67,7 @@ class Tokenizer:
         "_byte_level",
         "_byte_tables",
         "_token_texts",
+        "_max_token_chars",
     )
 
     def __init__(self, raw: tokenizers.Tokenizer) -> None:
@@ -68,7 +78,9 @@ class Tokenizer:
         self._vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
         added = raw.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
-        self._byte_level = _is_byte_level_decoder(json.loads(raw.to_str()).get("decoder"))
+        spec = json.loads(raw.to_str())
+        self._byte_level = _is_byte_level_decoder(spec.get("decoder"))
+        self._max_token_chars = _max_token_chars(raw, spec.get("model"))
         self._byte_tables: dict[bool, tuple[bytes, ...]] = {}
         self._token_texts: dict[bool, dict[int, str]] = {}
 
@@ -101,6 +113,14 @@ class Tokenizer:
     def is_byte_level(self) -> bool:
         """Whether the decoder is byte-level BPE (GPT-2, Llama 3, Qwen, ...)."""
         return self._byte_level
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """The most characters of input one token can cover, when the model bounds it (BPE
+        without fused unknowns: every token is a vocabulary entry, the longest of which bounds
+        it), else None (e.g. WordPiece, where one ``[UNK]`` covers a whole word). So a text of
+        ``n`` characters has at least ``ceil(n / max_token_chars)`` tokens."""
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (e.g. adds BOS)."""

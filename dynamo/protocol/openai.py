@@ -17,13 +17,21 @@ from msgspec import Meta
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
+# Every integer is bounded: msgpack (the request plane) and the engines take 64-bit values at
+# most, so a 65-bit integer must be a 400 here, not an OverflowError (a 500) further on.
+_I64_MAX = (1 << 63) - 1
+_U32_MAX = (1 << 32) - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=_I64_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=_I64_MAX)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=_I64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=_U32_MAX)]
+InstanceId = Annotated[int, Meta(ge=0, le=_I64_MAX)]
+DpRank = Annotated[int, Meta(ge=0, le=_U32_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 
 
-TopK = Annotated[int, Meta(ge=-1)]  # -1 (or None): no limit
+TopK = Annotated[int, Meta(ge=-1, le=_U32_MAX)]  # -1 (or None): no limit
 
 
 class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
@@ -37,8 +45,8 @@ class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fie
     greed_sampling: bool | None = None
     use_raw_prompt: bool | None = None
     annotations: list[str] | None = None
-    backend_instance_id: int | None = None
-    dp_rank: NonNegativeInt | None = None
+    backend_instance_id: InstanceId | None = None
+    dp_rank: DpRank | None = None
     extra_fields: list[str] | None = None
     min_tokens: NonNegativeInt | None = None
     # Guided decoding (the reference's CommonExt names; also accepted at the top level).
@@ -74,7 +82,7 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
@@ -85,7 +93,7 @@ class _SamplingFields(msgspec.Struct, omit_defaults=True, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     logit_bias: dict[str, float] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -124,7 +132,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     """``prompt`` is a string, a list of token ids, or a batch (list of strings or of token-id
     lists); :func:`normalize_prompt` checks the shape (msgspec unions allow one array type)."""
 
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None

@@ -26,8 +26,10 @@ from typing import Protocol, cast
 import httptools
 
 from dynamo.runtime._sender import Sender
+from dynamo.runtime.http_limits import HttpLimits
 
 log = logging.getLogger(__name__)
+_now = time.monotonic
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # Axum's default JSON body limit
 _REASONS = {
@@ -37,15 +39,22 @@ _REASONS = {
     400: b"400 Bad Request",
     404: b"404 Not Found",
     405: b"405 Method Not Allowed",
+    408: b"408 Request Timeout",
     409: b"409 Conflict",
     413: b"413 Payload Too Large",
     415: b"415 Unsupported Media Type",
     422: b"422 Unprocessable Entity",
+    431: b"431 Request Header Fields Too Large",
     500: b"500 Internal Server Error",
     503: b"503 Service Unavailable",
 }
 _TOO_LARGE = b'{"error":"Failed to buffer the request body: length limit exceeded"}'
 _MALFORMED = b'{"error":"malformed HTTP request"}'
+_HEADERS_TOO_LARGE = b'{"error":"request headers too large"}'
+_TIMED_OUT = b'{"error":"request not received in time"}'
+_BUSY = b'{"error":"too many connections"}'
+# A connection's state, for the timeout sweep: between requests, in the headers, in the body.
+_IDLE, _HEAD, _BODY = 0, 1, 2
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
 DEFAULT_MAX_BACKLOG_BYTES = 16 * 1024 * 1024
@@ -117,6 +126,11 @@ class HttpProtocol(asyncio.Protocol):
         "_body_len",
         "_expect_continue",
         "_closing",
+        "_max_header_bytes",
+        "_max_connections",
+        "_head_bytes",
+        "state",
+        "since",
     )
 
     def __init__(
@@ -126,7 +140,15 @@ class HttpProtocol(asyncio.Protocol):
         connections: set[HttpProtocol],
         write_behind: _WriteBehind | None = None,
         accepting: Callable[[], bool] | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
+        limits = limits or HttpLimits()
+        self._max_header_bytes = limits.max_header_bytes
+        self._max_connections = limits.max_connections
+        self._head_bytes = 0
+        # Read by the server's timeout sweep (HttpServer._sweep); written on state changes only.
+        self.state = _IDLE
+        self.since = _now()
         self._accepting = accepting
         self._app = app
         self._limit = max_body_bytes
@@ -151,6 +173,12 @@ class HttpProtocol(asyncio.Protocol):
         if self._accepting is not None and not self._accepting():
             # Accepted by the loop while the server stopped: end it rather than leave it open.
             self._closing = True
+            self._transport.close()
+            return
+        if len(self._connections) >= self._max_connections:
+            # Past the connection limit: a clear answer and a close, not a hang.
+            self._closing = True
+            self._transport.write(render(503, _BUSY, close=True))
             self._transport.close()
             return
         if self._write_behind is not None and self._write_behind.running:
@@ -181,6 +209,9 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        if self.state == _IDLE:
+            self.state = _HEAD
+            self.since = _now()
         try:
             self._parser.feed_data(data)
         except _Abort:
@@ -207,6 +238,15 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def expire(self) -> None:
+        """Called by the server's sweep when the current state outlived its timeout: a request
+        cut short gets 408; an idle keep-alive connection is just closed."""
+        if self.state == _IDLE:
+            self.close()
+            self.release_fd()
+        else:
+            self._fail(408, _TIMED_OUT)
+
     def _fail(self, status: int, body: bytes, *, linger: bool = False) -> None:
         """Answer with an error and end the connection.
 
@@ -231,9 +271,16 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self._max_header_bytes:
+            self._fail(431, _HEADERS_TOO_LARGE)
+            raise _Abort
 
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name)
+        self._head_bytes += size + len(value)
+        if self._head_bytes > self._max_header_bytes:
+            self._fail(431, _HEADERS_TOO_LARGE)
+            raise _Abort
         if size == 12 and name.lower() == b"content-type":
             self._content_type = value
         elif size == 14 and name.lower() == b"content-length":
@@ -245,6 +292,8 @@ class HttpProtocol(asyncio.Protocol):
             self._expect_continue = True  # answered once every header is known (length checked)
 
     def on_headers_complete(self) -> None:
+        self.state = _BODY
+        self.since = _now()
         if self._expect_continue:
             self._expect_continue = False
             self._write(_CONTINUE)
@@ -276,6 +325,9 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._content_type = None
         self._body_len = 0
+        self._head_bytes = 0
+        self.state = _IDLE
+        self.since = _now()
         head = method == b"HEAD"
         result = self._app.handle(b"GET" if head else method, path, query, content_type, body)
         keep_alive = parser.should_keep_alive()
@@ -401,7 +453,9 @@ class HttpServer:
     ``write_behind``: write responses from a native thread (see the module docstring); a
     client that leaves more than ``max_backlog_bytes`` of responses unread is disconnected.
     ``busy_poll_s``: under load, keep the loop polling this long after answering (see
-    ``_WriteBehind``); 0 disables it.
+    ``_WriteBehind``); 0 disables it. ``limits``: connection limit, timeouts, header size
+    (``http_limits.py``); the timeouts are enforced by one sweep per server (a timer every
+    ``_sweep_period``), so a request costs no timer of its own.
     """
 
     def __init__(
@@ -414,7 +468,10 @@ class HttpServer:
         write_behind: bool = False,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
         busy_poll_s: float = 0.0,
+        limits: HttpLimits | None = None,
     ) -> None:
+        self.limits = limits or HttpLimits()
+        self._sweeper: asyncio.TimerHandle | None = None
         if busy_poll_s < 0 or (busy_poll_s and not write_behind):
             raise ValueError("busy_poll_s must be >= 0 and needs write_behind")
         self._busy_poll_s = busy_poll_s
@@ -452,7 +509,12 @@ class HttpServer:
         try:
             self._server = await loop.create_server(
                 lambda: HttpProtocol(
-                    self._app, self._limit, self._connections, write_behind, self._is_serving
+                    self._app,
+                    self._limit,
+                    self._connections,
+                    write_behind,
+                    self._is_serving,
+                    self.limits,
                 ),
                 self._host,
                 self._port,
@@ -465,12 +527,30 @@ class HttpServer:
                 write_behind.stop(0.0)
             self._write_behind = None
             raise
+        self._sweeper = loop.call_later(self._sweep_period(), self._sweep)
+
+    def _sweep_period(self) -> float:
+        lim = self.limits
+        shortest = min(lim.header_timeout_s, lim.body_timeout_s, lim.keep_alive_timeout_s)
+        return min(1.0, max(0.01, shortest / 4))
+
+    def _sweep(self) -> None:
+        """Close the connections whose current state (idle, headers, body) outlived its limit."""
+        lim = self.limits
+        timeouts = (lim.keep_alive_timeout_s, lim.header_timeout_s, lim.body_timeout_s)
+        now = _now()
+        for conn in [c for c in self._connections if now - c.since > timeouts[c.state]]:
+            conn.expire()
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_period(), self._sweep)
 
     async def stop(self, drain_timeout_s: float = 1.0) -> None:
         """Stop listening and close every open connection (queued responses are still sent)."""
         if self._server is None:
             return
         self._serving = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self._server.close()
         for conn in list(self._connections):
             conn.close()

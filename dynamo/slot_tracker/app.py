@@ -1,6 +1,7 @@
 """The slot tracker's HTTP API (spec 001): routes, JSON bodies, status codes.
 
-Statuses: 200/201 success; 400 malformed JSON or HTTP, invalid values (block_size or dp_size 0,
+Statuses: 200/201 success; 400 malformed JSON (invalid UTF-8 and nesting deeper than the
+decoder's limit included) or HTTP, invalid values (block_size or dp_size 0,
 DP range overflow, bad peer URL); 404 unknown route, tracker, worker, rank, request or peer;
 405 unsupported method; 409 duplicate request, duplicate worker, block-size mismatch, peer routes
 while replica sync is off; 413 body over 2 MiB; 415 body not sent as application/json;
@@ -176,8 +177,10 @@ class SlotTrackerApp:
             return _error(exc.status, exc.message)
         except msgspec.ValidationError as exc:
             return _error(422, f"Failed to deserialize the JSON body into the target type: {exc}")
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"Failed to parse the request body as JSON: {exc}")
+        except RecursionError:
+            return _error(400, "Failed to parse the request body as JSON: nested too deeply")
         except Exception:
             log.exception("slot tracker handler failed: %s %s", method, path)
             return _INTERNAL

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynamo.router.sequences import DEFAULT_EXPIRY_S
 from dynamo.runtime.config import add_flag
+from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.http_server import DEFAULT_MAX_BODY_BYTES
 from dynamo.slot_tracker.replica import DEFAULT_QUEUE_SIZE, validate_endpoint
 
@@ -22,6 +23,7 @@ class SlotTrackerConfig:
     replica_queue_size: int = DEFAULT_QUEUE_SIZE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     busy_poll_us: int = 200
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -104,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="under load (10k+ req/s), keep polling this long after answering instead of "
         "sleeping: lower latency, more CPU; 0 disables",
     )
+    HttpLimits.add_arguments(parser)
 
 
 def from_args(args: argparse.Namespace) -> SlotTrackerConfig:
@@ -116,4 +119,5 @@ def from_args(args: argparse.Namespace) -> SlotTrackerConfig:
         active_request_expiry_s=args.active_request_expiry_secs,
         replica_queue_size=args.replica_queue_size,
         busy_poll_us=args.busy_poll_us,
+        limits=HttpLimits.from_args(args),
     )

@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from dynamo.router.sequences import EXPIRY_CHECK_INTERVAL_S
+from dynamo.runtime.http_limits import raise_fd_limit
 from dynamo.runtime.http_server import HttpServer
 from dynamo.slot_tracker.app import SlotTrackerApp
 from dynamo.slot_tracker.config import SlotTrackerConfig
@@ -43,6 +44,7 @@ class SlotTrackerService:
             max_body_bytes=config.max_body_bytes,
             write_behind=True,
             busy_poll_s=config.busy_poll_us * 1e-6,
+            limits=config.limits,
         )
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -51,6 +53,8 @@ class SlotTrackerService:
         return self._http.port
 
     async def start(self) -> None:
+        # the connection limit, not EMFILE, is what a flood of sockets should meet
+        raise_fd_limit(self.config.limits.max_connections + 1024)
         if self.replica is not None:
             await self.replica.start()
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from dynamo.runtime import codec
 from dynamo.runtime.codec import FrameError
@@ -68,11 +69,23 @@ class _ServerConnection(FrameWriter):
         super().__init__(loop, server.max_frame_size)
         self.server = server
         self.streams: dict[int, _ServerStream] = {}
+        # For the stall sweep: when the connection started waiting for a frame to complete
+        # (connected, or a frame began and has not ended); None while it has no frame pending.
+        self.waiting_since: float | None = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.server._connections.add(self)
-        if self.server._stopping:
+        server = self.server
+        if len(server._connections) >= server.max_connections:
+            # a clear refusal past the connection limit, not a hang
+            log.warning("request plane: refusing a connection from %s: at the limit", self.peer)
+            self.broken = True
+            message = f"the request plane is at its limit of {server.max_connections} connections"
+            self.write(codec.error_frame(0, "Overloaded", message))
+            self.close()
+            return
+        server._connections.add(self)
+        if server._stopping:
             self.close()
 
     def data_received(self, data: bytes) -> None:
@@ -80,6 +93,11 @@ class _ServerConnection(FrameWriter):
             return
         try:
             frames = self.decoder.feed(data)
+            if self.decoder.pending():
+                if self.waiting_since is None:
+                    self.waiting_since = time.monotonic()
+            else:
+                self.waiting_since = None
             streams = self.streams
             for kind, sid, arg, header, body in frames:
                 if kind == codec.CREDIT:
@@ -170,13 +188,27 @@ class TCPRequestPlaneServer:
         *,
         max_frame_size: int | None = None,
         max_inflight: int | None = None,
+        max_connections: int | None = None,
+        frame_timeout_s: float | None = None,
     ) -> None:
         """``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
-        running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks."""
+        running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks.
+        ``max_connections`` (``DYN_TCP_MAX_CONNECTIONS``, 4,096): one more connection gets an
+        ``Overloaded`` error frame and is closed. ``frame_timeout_s``
+        (``DYN_TCP_FRAME_TIMEOUT_SECS``, 30): a connection that sends no first frame, or stops
+        in the middle of one, for that long is closed (idle pooled connections between frames
+        are left alone)."""
         self.host = host
         self.port = port
         self.max_frame_size = max_frame_size or codec.default_max_frame_size()
         self.max_inflight = max_inflight or int(os.environ.get("DYN_TCP_MAX_INFLIGHT", "16384"))
+        self.max_connections = max_connections or int(
+            os.environ.get("DYN_TCP_MAX_CONNECTIONS", "4096")
+        )
+        self.frame_timeout_s = frame_timeout_s or float(
+            os.environ.get("DYN_TCP_FRAME_TIMEOUT_SECS", "30")
+        )
+        self._sweeper: asyncio.TimerHandle | None = None
         self._handlers: dict[str, Handler] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
@@ -201,6 +233,20 @@ class TCPRequestPlaneServer:
             lambda: _ServerConnection(self, loop), self.host, self.port, backlog=1024
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = loop.call_later(self._sweep_period(), self._sweep)
+
+    def _sweep_period(self) -> float:
+        return min(1.0, max(0.01, self.frame_timeout_s / 4))
+
+    def _sweep(self) -> None:
+        """Close the connections stuck before or inside a frame for ``frame_timeout_s``."""
+        now = time.monotonic()
+        limit = self.frame_timeout_s
+        for conn in list(self._connections):
+            since = conn.waiting_since
+            if since is not None and now - since > limit and not conn.broken:
+                conn._protocol_error(f"no complete frame within {limit:g} s")
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_period(), self._sweep)
 
     def register(self, endpoint_path: str, handler: Handler) -> None:
         self._handlers[endpoint_path] = handler
@@ -231,6 +277,9 @@ class TCPRequestPlaneServer:
         if self._stopping:
             return
         self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
         for conn in list(self._connections):

@@ -81,10 +81,15 @@ async def test_engine_chunks_carry_aligned_logprobs() -> None:
             assert out.log_probs is not None and out.top_logprobs is not None
             assert len(out.log_probs) == len(out.top_logprobs) == len(out.token_ids)
             assert all(len(top) == 4 for top in out.top_logprobs)
+    # per token, not per chunk: how tokens coalesce into chunks depends on the loop's timing
     again = await run(asking(4, prompt=4))
-    assert [o.log_probs for o in again if o.token_ids] == [o.log_probs for o in outs if o.token_ids]
+    assert [lp for o in again for lp in o.log_probs or []] == [
+        lp for o in outs for lp in o.log_probs or []
+    ]
     other = await run(asking(4, prompt=4, seed=6))
-    assert [o.log_probs for o in other if o.token_ids] != [o.log_probs for o in outs if o.token_ids]
+    assert [lp for o in other for lp in o.log_probs or []] != [
+        lp for o in outs for lp in o.log_probs or []
+    ]
 
 
 async def test_engine_without_the_ask_sends_none() -> None:

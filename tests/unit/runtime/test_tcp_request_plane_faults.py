@@ -224,3 +224,44 @@ async def test_protocol_violations_close_the_connection(
             writer.close()
             await writer.wait_closed()
     await wait_for(lambda: server.num_inflight() == 0)
+
+
+# -- hostile peers: connection limit and stalled frames --------------------------------------
+async def test_connection_past_the_limit_gets_overloaded_and_close(rec: Recorder) -> None:
+    srv = TCPRequestPlaneServer("127.0.0.1", 0, max_connections=2)
+    srv.register(EP, rec.count)
+    await srv.start()
+    cli = TCPRequestPlaneClient()
+    try:
+        host, port = parse_address(srv.address)
+        held = [await asyncio.open_connection(host, port) for _ in range(2)]
+        await wait_for(lambda: len(srv._connections) == 2)
+        reader, writer = await asyncio.open_connection(host, port)
+        frames = await read_frames(reader)
+        assert frames and frames[0][1] == 0  # stream 0: the connection's own error
+        assert b"Overloaded" in frames[0][3] + frames[0][4]
+        writer.close()
+        for _, w in held:
+            w.close()
+        await wait_for(lambda: not srv._connections)
+        # below the limit again: a real stream is served
+        assert await collect(cli.stream(srv.address, EP, b"2", Context())) != []
+    finally:
+        await cli.close()
+        await srv.stop()
+
+
+@pytest.mark.parametrize("sent", [b"", b"\x00\x01\x02"], ids=["nothing", "half a frame"])
+async def test_connection_stuck_before_a_whole_frame_is_closed(sent: bytes) -> None:
+    srv = TCPRequestPlaneServer("127.0.0.1", 0, frame_timeout_s=0.2)
+    await srv.start()
+    try:
+        host, port = parse_address(srv.address)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(sent)
+        frames = await read_frames(reader)  # the server closes it (with an error frame)
+        assert all(frame[1] == 0 for frame in frames)
+        writer.close()
+        await wait_for(lambda: not srv._connections)
+    finally:
+        await srv.stop()

@@ -1,0 +1,55 @@
+"""CPU-heavy request work (JSON decoding, chat templating, tokenization) off the event loop.
+
+A request whose body is small is handled inline: a thread hop costs more than the work. A large
+one runs on a small thread pool (HF ``tokenizers`` releases the GIL while it encodes, so the loop
+keeps serving meanwhile) behind a bounded queue: past ``max_pending`` large requests at once a
+new one is refused with :class:`Overloaded` rather than queued without bound. A job counts as
+pending until its thread is done with it, even when the request that asked for it was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+from dynamo.runtime.errors import Overloaded
+
+T = TypeVar("T")
+
+INLINE_BELOW_BYTES = 64 * 1024
+"""Bodies smaller than this are preprocessed on the event loop (well under a millisecond)."""
+
+
+class Offload:
+    """Owned by the frontend service; :meth:`close` at shutdown. Single-loop use."""
+
+    def __init__(
+        self, threads: int = 2, max_pending: int = 16, inline_below_bytes: int = INLINE_BELOW_BYTES
+    ) -> None:
+        if threads < 1 or max_pending < 1:
+            raise ValueError("offload threads and queue must be at least 1")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "dynamo-preprocess")
+        self._max_pending = max_pending
+        self._inline_below = inline_below_bytes
+        self.pending = 0
+
+    async def run(self, size: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``: inline when ``size`` (the request's bytes) is small, else on the pool."""
+        if size < self._inline_below:
+            return fn(*args)
+        if self.pending >= self._max_pending:
+            raise Overloaded("too many large requests are being preprocessed; retry later")
+        loop = asyncio.get_running_loop()
+        job = self._pool.submit(functools.partial(fn, *args))
+        self.pending += 1
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        return await asyncio.wrap_future(job)
+
+    def _done(self) -> None:
+        self.pending -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
