@@ -197,21 +197,27 @@ class _GenerateTrace:
         self.reason: str | None = None
 
     def chunk(self, output: LLMEngineOutput) -> None:
-        if output.token_ids:
-            self.tokens += len(output.token_ids)
-            if self.first_at is None:
-                now = self.first_at = self.last_at = time.monotonic()
-                self.span.set_attribute("ttft_ms", (now - self.started) * 1000.0)
-                if self.per_chunk:
-                    output.worker_trace_link = tracing.link_of(self.span)
-            elif self.per_chunk:
-                now = time.monotonic()
-                self.itls.append((now - self.last_at) * 1000.0)
-                self.last_at = now
+        """Per chunk: a count unless spans are recorded (then the timing too)."""
+        ids = output.token_ids
+        if ids:
+            self.tokens += len(ids)
+            if self.per_chunk or self.first_at is None:
+                self._timing(output)
         if output.finish_reason is not None:
             self.reason = output.finish_reason.value
             if output.finish_reason is FinishReason.ERROR:
                 self.error("EngineError", output.error or "engine error")
+
+    def _timing(self, output: LLMEngineOutput) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.span.set_attribute("ttft_ms", (now - self.started) * 1000.0)
+            if self.per_chunk:
+                output.worker_trace_link = tracing.link_of(self.span)
+        else:
+            self.itls.append((now - self.last_at) * 1000.0)
+        self.last_at = now
 
     def error(self, kind: str, message: str) -> None:
         self.span.set_attribute("error_kind", kind)
