@@ -5,12 +5,12 @@ PYTHON ?= python3
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: run test test-fallback test-vllm lint bench clean servers
+.PHONY: run test test-fallback test-vllm lint bench clean servers chromium
 
 $(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,pytorch]'
+	$(PY) -m pip install -q -e '.[test,bench,pytorch,otlp]'
 	touch $@
 
 # etcd and nats-server binaries for the many-machines tests (scripts/install_servers.sh).
@@ -25,7 +25,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check dynamo tests benchmarks scripts
 	$(VENV)/bin/mypy dynamo
 
-test: lint servers
+# The dashboard's browser test needs a headless Chromium (skipped without one).
+chromium:
+	sh scripts/install_chromium.sh
+
+test: lint servers chromium
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 # The suites that use the two C extensions, again with their pure-Python fallbacks forced

@@ -23,6 +23,12 @@ Reference on the 2-core VM: frontend 2.0-2.2 ms + mocker 1.4-1.6 ms of CPU per r
 saturation (~260 req/s), TTFT p50 4.2 ms at c=1. Goals: <= 2.8 ms CPU per request for both
 together; TTFT p50 <= 4 ms at c=1 on a keep-alive connection.
 
+``--tracing off,local,export`` (issue 17) runs our stack once per tracing mode: ``off``
+(``OTEL_SDK_DISABLED=true``: no spans at all), ``local`` (the default: spans exist so log lines
+carry trace ids, nothing exported) and ``export`` (``OTEL_EXPORT_ENABLED=1``, OTLP http/protobuf
+to a receiver this script runs, ``tests/otlp_receiver.py``), and reports each mode's CPU per
+request as a ratio of ``off``. Goals: local <= 1.05x, export <= 1.15x, frontend and worker.
+
 Results: a table on stdout and JSON in ``bench-results/stack.json``.
 """
 
@@ -53,6 +59,7 @@ GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
 GOAL_TTFT_RATIO_C1 = 0.8  # side by side: our TTFT p50 at c=1 over the reference's, at most
 GOAL_RATE_RATIO_C64 = 2.0  # side by side: our req/s at c=64 over the reference's, at least
+GOAL_TRACING = {"local": 1.05, "export": 1.15}  # CPU per request over tracing off, at most
 PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
 # Measured requests per level (full run); warm-up is max(2 * c, 32) requests.
 REQUESTS = {1: 300, 16: 1000, 64: 1500, 256: 2000}
@@ -172,10 +179,13 @@ class Stack:
     """A frontend and one mocker, ours or the reference's (``python``), on a fresh discovery
     directory."""
 
-    def __init__(self, label: str, python: str, speedup: float) -> None:
+    def __init__(
+        self, label: str, python: str, speedup: float, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.label = label
         self._dir = tempfile.TemporaryDirectory(prefix=f"dynamo-stack-{label}-")
         env = dict(os.environ, DYN_FILE_KV=self._dir.name, PYTHONUNBUFFERED="1")
+        env.update(extra_env or {})
         mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
         mocker_args += ["--speedup-ratio", f"{speedup:g}"]
         ours = python == sys.executable
@@ -219,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speedup-ratio", type=float, help="mocker speedup (default 0; 1000 with a reference)"
     )
+    parser.add_argument(
+        "--tracing", help="compare tracing modes (comma-separated: off, local, export)"
+    )
     parser.add_argument("--out", default="bench-results/stack.json")
     args = parser.parse_args(argv)
+    if args.tracing:
+        return tracing_modes(args)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     speedup = args.speedup_ratio
     if speedup is None:
@@ -274,6 +289,77 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {value}")
     print(f"\nwritten: {out}")
     return 0
+
+
+def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
+    if mode == "off":
+        return {"OTEL_SDK_DISABLED": "true"}
+    if mode == "local":
+        return {}
+    if mode == "export":
+        return {
+            "OTEL_EXPORT_ENABLED": "1",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+        }
+    raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
+
+
+def tracing_modes(args: argparse.Namespace) -> int:
+    """Our stack once per tracing mode and round (modes alternating), CPU per request compared
+    with ``off`` (medians over the rounds)."""
+    sys.path.insert(0, str(REPO))
+    from tests.otlp_receiver import OtlpReceiver
+
+    modes = [m.strip() for m in args.tracing.split(",") if m.strip()]
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    speedup = args.speedup_ratio or 0.0
+    receiver = OtlpReceiver()
+    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
+    try:
+        for round_ in range(args.rounds):
+            for mode in modes:
+                stack = Stack(mode, sys.executable, speedup, tracing_env(mode, receiver.endpoint))
+                try:
+                    results = []
+                    for c in levels:
+                        count = REQUESTS.get(c, 1000)
+                        count = max(count // 5, 2 * c) if args.quick else count
+                        results.append(run_level(stack.url, c, count, args, stack.pids))
+                        print(f"{mode:>7} r{round_ + 1} " + _row(results[-1]), flush=True)
+                    runs[mode].append(results)
+                finally:
+                    stack.stop()
+    finally:
+        receiver.close()
+    compared: dict[str, Any] = {}
+    for c in levels:
+        base = {k: _median_of(runs["off"], c, k) for k in CPU_KEYS} if "off" in runs else {}
+        for mode in modes:
+            row = {k: _median_of(runs[mode], c, k) for k in CPU_KEYS}
+            if base and mode != "off":
+                row |= {f"{k}_vs_off": (row[k] or 0) / (base[k] or 1) for k in CPU_KEYS}
+            compared[f"c{c}/{mode}"] = row
+    report = {
+        "benchmark": "stack --tracing",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        "spans_received_by_the_otlp_receiver": len(receiver.spans),
+        "goals_vs_off": GOAL_TRACING,
+        "medians": compared,
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for key, row in compared.items():
+        print(key, {k: round(v, 3) for k, v in row.items() if v is not None})
+    print(f"spans received: {len(receiver.spans)}; written: {out}")
+    return 0
+
+
+CPU_KEYS = ("frontend_cpu_ms_per_req", "mocker_cpu_ms_per_req", "stack_cpu_ms_per_req")
 
 
 def _median_of(runs: list[list[dict[str, Any]]], c: int, key: str) -> float | None:

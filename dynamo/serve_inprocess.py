@@ -11,11 +11,13 @@ import dataclasses
 import signal
 from typing import TYPE_CHECKING
 
-from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.run import run_async
 from dynamo.backend.worker import Worker
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
 from dynamo.mocker.config import MockerConfig
+from dynamo.observability.logging import configure_logging
+from dynamo.observability.tracing import setup_tracing
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
 from dynamo.serve_args import ServePlan
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
 
 def serve_in_process(serve_plan: ServePlan) -> int:
     """Run the validated plan in this process (the planes' flags do not apply here)."""
-    configure_logging("INFO")
+    configure_logging(getattr(serve_plan.args, "both:log_level", None))
+    setup_tracing("dynamo-serve")
     runtime_config = RuntimeConfig(
         namespace=serve_plan.args.namespace,
         discovery_backend="memory",

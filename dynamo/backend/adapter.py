@@ -4,6 +4,14 @@ Per request it (1) decodes the ``PreprocessedRequest``, (2) arms a cancellation 
 ``engine.abort(ctx)`` when the context is stopped or killed, (3) validates the stream's terminal
 rules, (4) turns unexpected exceptions into ``Unknown`` (typed ``DynamoError``s pass through so
 they reach the client with their type) and (5) encodes each chunk.
+
+Tracing: ``handle`` opens the worker's ``handle_payload`` span under the trace context the request
+carries (``PreprocessedRequest.traceparent``) and ``generate`` the ``engine.generate`` span
+under it, with the attributes of spec 000's table (model, input_tokens, disagg_role at entry;
+ttft_ms at the first chunk with tokens; output_tokens, finish_reason, cancelled and the ITL
+statistics at the terminal; error_kind and an error status on failures; a link to the
+predecessor attempt, if any). Inter-token latencies and the ``worker_trace_link`` stamp are
+per-chunk work, done only while spans are recorded somewhere (``tracing.recording()``).
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dynamo.backend.engine import LLMEngine
 from dynamo.backend.validate import StreamValidator, strict_from_env
+from dynamo.observability import tracing
 from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
@@ -38,10 +48,13 @@ class EngineAdapter:
         *,
         strict: bool | None = None,
         metrics: WorkerMetrics | None = None,
+        disagg_role: str = "agg",
     ) -> None:
         """``strict``: raise on stream-contract violations instead of repairing them (None:
-        ``DYN_STRICT_STREAM_VALIDATION``)."""
+        ``DYN_STRICT_STREAM_VALIDATION``). ``disagg_role``: the worker's role (``agg``,
+        ``prefill``, ``decode``), recorded on every ``engine.generate`` span."""
         self.engine = engine
+        self.disagg_role = disagg_role
         self.strict = strict_from_env() if strict is None else strict
         self.metrics = metrics
         self._abort_tasks: set[asyncio.Task[None]] = set()
@@ -55,13 +68,34 @@ class EngineAdapter:
         except msgspec.DecodeError as exc:
             raise InvalidArgument(f"malformed request: {exc}") from exc
         encode = output_encoder.encode
-        async for output in self.generate(request, ctx):
-            yield encode(output)
+        span = tracing.tracer().start_span(
+            "handle_payload",
+            context=tracing.parent_context(request.traceparent),
+            kind=SpanKind.SERVER,
+            attributes={"request_id": request.request_id or ctx.id, "model": request.model},
+        )
+        sent = 0
+        try:
+            async for output in self.generate(request, ctx, parent=span):
+                chunk = encode(output)
+                sent += len(chunk)
+                yield chunk
+        except DynamoError as exc:
+            span.set_status(Status(StatusCode.ERROR, f"{exc.kind}: {exc}"))
+            raise
+        finally:
+            span.end()
+            if self.metrics is not None:
+                self.metrics.request_bytes.inc(len(body))
+                self.metrics.response_bytes.inc(sent)
 
     async def generate(
-        self, request: PreprocessedRequest, ctx: Context
+        self, request: PreprocessedRequest, ctx: Context, parent: Span | None = None
     ) -> AsyncIterator[LLMEngineOutput]:
-        """Run one request through the engine with monitoring and validation."""
+        """Run one request through the engine with monitoring, validation and its
+        ``engine.generate`` span (a child of ``parent``, else of the request's trace context)."""
+        span = self._generate_span(request, parent)
+        trace = _GenerateTrace(span, tracing.recording())
         remove_monitor = ctx.on_stop(self._schedule_abort)
         validator = StreamValidator(request.request_id or ctx.id, strict=self.strict)
         self.num_inflight += 1
@@ -76,21 +110,27 @@ class EngineAdapter:
                     if validator.accept(output):
                         if output.finish_reason is not FinishReason.ERROR:
                             self.last_activity = time.monotonic()
+                        trace.chunk(output)
                         yield output
             except DynamoError as exc:
                 validator.terminated = True
+                trace.error(exc.kind, str(exc))
                 if metrics is not None:
                     metrics.error(exc.kind)
                 raise
             except Exception as exc:
-                log.exception("engine error in request %s", ctx.id)
+                with tracing.use(span):  # the log line carries the request's trace id
+                    log.exception("engine error in request %s", ctx.id)
+                trace.error("Unknown", f"{type(exc).__name__}: {exc}")
                 if metrics is not None:
                     metrics.error("Unknown")
                 raise Unknown(f"{type(exc).__name__}: {exc}") from exc
             repair = validator.finish()
             if repair is not None:
+                trace.chunk(repair)
                 yield repair
         finally:
+            trace.end(ctx.is_stopped())
             self.num_inflight -= 1
             remove_monitor()
             if metrics is not None:
@@ -99,6 +139,28 @@ class EngineAdapter:
                 metrics.duration.observe(time.monotonic() - started)
                 if ctx.is_stopped():
                     metrics.cancellations.inc()
+
+    def _generate_span(self, request: PreprocessedRequest, parent: Span | None) -> Span:
+        context = (
+            tracing.in_span(parent)
+            if parent is not None
+            else tracing.parent_context(request.traceparent)
+        )
+        span = tracing.tracer().start_span(
+            "engine.generate",
+            context=context,
+            links=tracing.links_of(request),
+            attributes={
+                "model": request.model,
+                "input_tokens": len(request.token_ids),
+                "disagg_role": self.disagg_role,
+            },
+        )
+        link = request.migration_link
+        if link is not None:
+            span.set_attribute("migration_trace_id", link.trace_id)
+            span.set_attribute("migration_span_id", link.span_id)
+        return span
 
     def _schedule_abort(self, ctx: Context) -> None:
         task = asyncio.get_running_loop().create_task(
@@ -117,3 +179,65 @@ class EngineAdapter:
         """Await outstanding abort calls (shutdown)."""
         if self._abort_tasks:
             await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
+
+
+class _GenerateTrace:
+    """What the ``engine.generate`` span records over one stream (see the module docstring)."""
+
+    __slots__ = ("span", "per_chunk", "started", "first_at", "last_at", "itls", "tokens", "reason")
+
+    def __init__(self, span: Span, per_chunk: bool) -> None:
+        self.span = span
+        self.per_chunk = per_chunk
+        self.started = time.monotonic()
+        self.first_at: float | None = None
+        self.last_at = 0.0
+        self.itls: list[float] = []
+        self.tokens = 0
+        self.reason: str | None = None
+
+    def chunk(self, output: LLMEngineOutput) -> None:
+        """Per chunk: a count unless spans are recorded (then the timing too)."""
+        ids = output.token_ids
+        if ids:
+            self.tokens += len(ids)
+            if self.per_chunk or self.first_at is None:
+                self._timing(output)
+        if output.finish_reason is not None:
+            self.reason = output.finish_reason.value
+            if output.finish_reason is FinishReason.ERROR:
+                self.error("EngineError", output.error or "engine error")
+
+    def _timing(self, output: LLMEngineOutput) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.span.set_attribute("ttft_ms", (now - self.started) * 1000.0)
+            if self.per_chunk:
+                output.worker_trace_link = tracing.link_of(self.span)
+        else:
+            self.itls.append((now - self.last_at) * 1000.0)
+        self.last_at = now
+
+    def error(self, kind: str, message: str) -> None:
+        self.span.set_attribute("error_kind", kind)
+        self.span.set_status(Status(StatusCode.ERROR, f"{kind}: {message}"))
+
+    def end(self, cancelled: bool) -> None:
+        span = self.span
+        if log.isEnabledFor(logging.DEBUG):
+            with tracing.use(span):
+                log.debug("engine.generate done: %d tokens, %s", self.tokens, self.reason)
+        span.set_attribute("output_tokens", self.tokens)
+        span.set_attribute("cancelled", cancelled)
+        if self.reason is not None:
+            span.set_attribute("finish_reason", self.reason)
+        itls = self.itls
+        if itls:
+            itls.sort()
+            n = len(itls)
+            span.set_attribute("avg_itl_ms", sum(itls) / n)
+            span.set_attribute("itl_p50_ms", itls[(n - 1) // 2])
+            span.set_attribute("itl_p99_ms", itls[min(n - 1, int(n * 0.99))])
+            span.set_attribute("itl_max_ms", itls[-1])
+        span.end()

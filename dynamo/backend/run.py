@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -26,9 +25,3 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:  # pragma: no cover
         return asyncio.run(main)
     return uvloop.run(main)  # type: ignore[no-any-return]
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from dynamo.backend.engine import LLMEngine
 from dynamo.backend.kv_publisher import KVPublisher
-from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.run import run_async
 from dynamo.backend.worker import Worker, WorkerConfig
+from dynamo.observability.logging import add_log_flag, configure_logging
+from dynamo.observability.tracing import setup_tracing
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.naming import EndpointId
@@ -49,7 +51,7 @@ class ServeOptions:
     graceful_shutdown_timeout: float = 5.0
     system_host: str = "0.0.0.0"
     system_port: int | None = None
-    log_level: str = "INFO"
+    log_level: str = "info"
     migration_limit: int = 0
 
     @classmethod
@@ -89,7 +91,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         env="DYN_SYSTEM_HOST",
         help="address of the status server",
     )
-    add_flag(parser, "--log-level", default=d.log_level, help="logging level")
+    add_log_flag(parser)
     add_flag(
         parser,
         "--migration-limit",
@@ -158,8 +160,9 @@ def serve_engine(
     metrics). Returns the process exit status (2: a configuration error, reported on stderr as
     ``name: ...``)."""
     options = ServeOptions.from_args(args)
-    configure_logging(options.log_level)
     try:
+        configure_logging(options.log_level)
+        setup_tracing(name.replace(" ", "-"))
         worker = build_served_worker(engine_factory, spec, RuntimeConfig.from_args(args), options)
         if on_worker is not None:
             on_worker(worker)

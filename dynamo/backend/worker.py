@@ -101,7 +101,12 @@ class Worker:
         self._regs = [
             _Registration(
                 e,
-                EngineAdapter(e, strict=config.strict_validation, metrics=self.metrics),
+                EngineAdapter(
+                    e,
+                    strict=config.strict_validation,
+                    metrics=self.metrics,
+                    disagg_role=config.role.value,
+                ),
                 new_instance_id(),
             )
             for e in engines

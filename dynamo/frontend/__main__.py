@@ -7,10 +7,11 @@ import asyncio
 import signal
 import sys
 
-from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.run import run_async
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
-from dynamo.runtime.config import add_flag
+from dynamo.observability.logging import add_log_flag, configure_logging
+from dynamo.observability.tracing import setup_tracing
 
 
 async def serve(config: FrontendConfig) -> None:
@@ -31,14 +32,15 @@ async def serve(config: FrontendConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The frontend's flags (``dynamo serve`` offers them too)."""
     parser = FrontendConfig.build_parser()
-    add_flag(parser, "--log-level", default="INFO", help="logging level")
+    add_log_flag(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
     try:
+        configure_logging(args.log_level)
+        setup_tracing("dynamo-frontend")
         config = FrontendConfig.from_args(args)
     except ValueError as exc:
         print(f"dynamo frontend: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ import os
 import socket
 import tempfile
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from granian.server.embed import Server
 from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.config import FrontendConfig
+from dynamo.frontend.dashboard import Dashboard
 from dynamo.frontend.disagg import Disaggregation
 from dynamo.frontend.errors import HTTPError
 from dynamo.frontend.exchange import ClientDisconnected, StreamSink
@@ -36,7 +37,7 @@ from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.offload import Offload
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
-from dynamo.observability.metrics import FrontendMetrics, RouterMetrics
+from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
 from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
@@ -162,6 +163,7 @@ class FrontendService:
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry)
+        WorkerLoadGauges(self.metrics.prefix, self.metrics.registry, self._worker_loads)
         self.migration = MigrationPolicy(
             config.migration_limit, config.migration_max_seq_len, self.metrics
         )
@@ -187,8 +189,14 @@ class FrontendService:
             admission=Admission(config.admission_factor),
             offload=Offload(config.preprocess_threads, config.preprocess_queue),
         )
+        self.dashboard = Dashboard(self.registry, self.metrics, self._worker_loads)
+        self.generate.observers.append(self.dashboard.observe)
         self.routes = Routes(
-            self.registry, self.metrics, self.generate, overload_status=config.overload_status
+            self.registry,
+            self.metrics,
+            self.generate,
+            overload_status=config.overload_status,
+            dashboard=self.dashboard,
         )
         self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -214,7 +222,25 @@ class FrontendService:
         preprocessor = Preprocessor(
             model_dir, served_model_name=card.served_model_name, context_length=card.context_length
         )
-        return ModelPipeline(card.served_model_name, preprocessor, self.disagg)
+        return ModelPipeline(
+            card.served_model_name, preprocessor, disagg=self.disagg, metrics=self.metrics
+        )
+
+    def _worker_loads(self) -> Iterator[tuple[int, int, str, int, int]]:
+        """Each KV router's view of its workers' load (the ``worker_active_*`` gauges)."""
+        for entry in self.registry.models():
+            for role, router in list(entry.routers.items()):
+                if not isinstance(router, KVRouter):
+                    continue
+                seqs = router.sequences
+                for worker_id, dp_rank in seqs.ranks():
+                    yield (
+                        worker_id,
+                        dp_rank,
+                        role.value,
+                        seqs.active_decode_blocks(worker_id, dp_rank),
+                        seqs.active_prefill_tokens(worker_id, dp_rank),
+                    )
 
     async def _make_router(self, card: ModelCard) -> Router:
         """A router for the workers of ``card``'s role (the registry closes it on retirement)."""
@@ -272,6 +298,7 @@ class FrontendService:
             await self.runtime.start()
         await self.disagg.start()
         await self.registry.start()
+        await self.dashboard.start(self.runtime)
         limits = self.config.limits
         # granian serves at most ``backpressure`` connections; more wait in the listen backlog.
         # Its header read timeout also closes idle keep-alive connections (hyper arms it while
@@ -343,6 +370,7 @@ class FrontendService:
             except (TimeoutError, asyncio.CancelledError):
                 log.warning("HTTP server did not stop in time; killed it")
             self._serve_task = None
+        await self.dashboard.close()
         self.generate.offload.close()
         await self.registry.close()  # closes the models' routers too
         await self.disagg.close()

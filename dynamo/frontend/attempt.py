@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,9 +25,11 @@ import msgspec
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy, is_instance_fault
 from dynamo.frontend.pipeline import ChoiceStats
+from dynamo.observability import tracing
+from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
-from dynamo.protocol.request import PreprocessedRequest, RoutingHints
+from dynamo.protocol.request import PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Router, Selection
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
@@ -103,6 +106,38 @@ def placed(request: PreprocessedRequest, selection: Selection) -> PreprocessedRe
     return msgspec.structs.replace(request, routing=new_hints)
 
 
+ROUTER_MODES = {
+    "KVRouter": "kv",
+    "RoundRobinRouter": "round-robin",
+    "RandomRouter": "random",
+}
+
+
+def route(
+    router: Router,
+    request: PreprocessedRequest,
+    live: Sequence[ModelCard],
+    metrics: FrontendMetrics | None = None,
+) -> Selection:
+    """``router.select`` inside the request's ``route`` span (router mode, chosen worker, DP
+    rank, overlap blocks, cost) and ``route`` stage metrics."""
+    mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
+    with (
+        metrics.stage("route") if metrics is not None else nullcontext(),
+        tracing.tracer().start_as_current_span(
+            "route", attributes={"router_mode": mode, "candidates": len(live)}
+        ) as span,
+    ):
+        selection = router.select(request, live)
+        span.set_attribute("worker_id", f"{selection.instance_id:x}")
+        if selection.dp_rank is not None:
+            span.set_attribute("dp_rank", selection.dp_rank)
+        span.set_attribute("overlap_blocks", selection.overlap_blocks)
+        if selection.cost is not None:
+            span.set_attribute("cost", selection.cost)
+    return selection
+
+
 async def attempts(
     entry: ModelEntry[ModelPipeline],
     request: PreprocessedRequest,
@@ -133,11 +168,14 @@ async def attempts(
     try:
         while True:
             current = migration.request
+            if failure is not None:  # a retry: its engine.generate span links to the last
+                current = tracing.with_predecessor(current, stats.trace_link)
             try:
                 live = candidates(entry)
                 if avoid is not None and len(live) > 1:
                     live = [c for c in live if c.instance_id != avoid] or live
-                selection = entry.router.select(current, live)
+                metrics = entry.pipeline.metrics if entry.pipeline is not None else None
+                selection = route(entry.router, current, live, metrics)
             except DynamoError:
                 if failure is not None:  # nowhere left to migrate to: the failure stands
                     outcome = "failure"
@@ -192,6 +230,8 @@ async def _attempt(
     request is sent to the selected instance."""
     router = entry.router
     role = entry.serving_role()
+    metrics = entry.pipeline.metrics if entry.pipeline is not None else None
+    request = tracing.with_traceparent(request)  # the worker's spans join this trace
     stats.selection = selection
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
@@ -199,18 +239,32 @@ async def _attempt(
         pipeline = entry.pipeline
         disagg = pipeline.disagg if pipeline is not None else None
         if role is WorkerRole.DECODE and disagg is not None:
-            handoff = await disagg.prefill(entry, request, selection, ctx, loads, timeouts)
+            prefill_links: list[TraceLink] = []
+            handoff = await disagg.prefill(
+                entry, request, selection, ctx, loads, timeouts, on_link=prefill_links.append
+            )
             if handoff is not None:
                 request = msgspec.structs.replace(request, prefill_result=handoff)
+                # The decode worker's engine.generate span links to the prefill's.
+                link = prefill_links[-1] if prefill_links else None
+                request = tracing.with_predecessor(request, link)
         stats.dispatched_at = time.monotonic()
         body = _request_encoder.encode(placed(request, selection))
         dispatched.append(True)
-        async for outs in transport(
-            entry.clients[role], body, ctx, selection.instance_id, timeouts
-        ):
-            if not load.prefilled and any(o.token_ids for o in outs):
-                load.first_token()
-            yield outs
+        dispatch = _DispatchStage(metrics, role.value)
+        try:
+            async for outs in transport(
+                entry.clients[role], body, ctx, selection.instance_id, timeouts
+            ):
+                dispatch.done()
+                if not load.prefilled and any(o.token_ids for o in outs):
+                    load.first_token()
+                    for o in outs:
+                        if o.worker_trace_link is not None:
+                            stats.trace_link = o.worker_trace_link
+                yield outs
+        finally:
+            dispatch.done()
     finally:
         load.free()
 
@@ -272,3 +326,27 @@ async def transport(
         if watchdog is not None:
             watchdog.cancel()
         await stream.aclose()
+
+
+_PHASES = {"agg": "aggregated", "prefill": "prefill", "decode": "decode"}
+
+
+class _DispatchStage:
+    """The ``dispatch`` stage of one attempt: sent, until its first response (or its end)."""
+
+    __slots__ = ("_metrics", "_phase", "_started")
+
+    def __init__(self, metrics: FrontendMetrics | None, role: str) -> None:
+        self._metrics = metrics
+        self._phase = _PHASES.get(role, role)
+        self._started: float | None = None
+        if metrics is not None:
+            metrics.stage_requests.labels("dispatch", self._phase).inc()
+            self._started = time.perf_counter()
+
+    def done(self) -> None:
+        if self._metrics is not None and self._started is not None:
+            self._metrics.stage_requests.labels("dispatch", self._phase).dec()
+            elapsed = time.perf_counter() - self._started
+            self._metrics.stage_duration.labels("dispatch").observe(elapsed)
+            self._started = None

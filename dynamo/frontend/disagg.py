@@ -33,17 +33,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynamo.frontend.attempt import Load, Timeouts, placed, transport
+from dynamo.frontend.attempt import Load, Timeouts, placed, route, transport
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.protocol.output import FinishReason
-from dynamo.protocol.request import OutputOptions, PreprocessedRequest, RoutingHints
+from dynamo.protocol.request import OutputOptions, PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Selection
 from dynamo.runtime.config import add_flag
 from dynamo.runtime.context import Context
@@ -295,10 +296,13 @@ class Disaggregation:
         ctx: Context,
         loads: list[Load],
         timeouts: Timeouts,
+        *,
+        on_link: Callable[[TraceLink], None] | None = None,
     ) -> DisaggregatedParams | None:
         """Run ``request``'s prefill on a prefill worker and return its handoff, or None when
         the decode worker ``decode`` prefills it locally. Raises DynamoError if the remote
-        prefill fails (the request fails: no fallback once dispatched)."""
+        prefill fails (the request fails: no fallback once dispatched). ``on_link`` gets the
+        prefill worker's ``engine.generate`` span (the decode request links to it)."""
         model = entry.name
         live = entry.live_instance_ids(WorkerRole.PREFILL)
         hints = request.routing
@@ -313,7 +317,7 @@ class Disaggregation:
                 return None
         router = entry.routers[WorkerRole.PREFILL]
         prefill_request = prefill_only(request)
-        selection = router.select(prefill_request, [entry.cards[i] for i in live])
+        selection = route(router, prefill_request, [entry.cards[i] for i in live])
         load = Load(router, request.request_id or ctx.id)
         loads.append(load)
         self._count(model, "remote")
@@ -326,6 +330,8 @@ class Disaggregation:
             handoff: DisaggregatedParams | None = None
             async for outs in transport(client, body, ctx, selection.instance_id, timeouts):
                 for out in outs:
+                    if out.worker_trace_link is not None and on_link is not None:
+                        on_link(out.worker_trace_link)
                     if out.finish_reason is FinishReason.ERROR:
                         raise Unknown(f"remote prefill failed: {out.error or 'engine error'}")
                     if out.finish_reason is FinishReason.CANCELLED:

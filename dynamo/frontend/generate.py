@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import msgspec
+from opentelemetry import context as otel_context
 
 from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
@@ -43,6 +45,7 @@ from dynamo.frontend.streaming import (
     usage,
 )
 from dynamo.frontend.timing import timing_info
+from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Prepared, Preprocessor
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -84,6 +87,8 @@ class GenerateHandler:
         self.namespace = namespace
         self.draining = False
         self._live: set[InflightRequest] = set()
+        # Called once with every finished request (the dashboard).
+        self.observers: list[Callable[[InflightRequest], None]] = []
         self.admission = admission or Admission()
         self.offload = offload or Offload()
 
@@ -97,6 +102,11 @@ class GenerateHandler:
         for request in list(self._live):
             request.stop()
 
+    def _finished(self, inflight: InflightRequest) -> None:
+        self._live.discard(inflight)
+        for observe in self.observers:
+            observe(inflight)
+
     # -- entry points ----------------------------------------------------------------------
     async def chat(self, http: Exchange) -> None:
         await self._serve(http, "chat_completions")
@@ -106,8 +116,19 @@ class GenerateHandler:
 
     async def _serve(self, http: Exchange, endpoint: str) -> None:
         inflight = InflightRequest(
-            http, self._m, endpoint, namespace=self.namespace, on_finish=self._live.discard
+            http, self._m, endpoint, namespace=self.namespace, on_finish=self._finished
         )
+        # The request's span is current for this handler task (its log lines carry the trace
+        # id; the worker's spans join it through the request's traceparent).
+        token = otel_context.attach(tracing.in_span(inflight.span))
+        try:
+            await self._admit_and_serve(http, endpoint, inflight)
+        finally:
+            otel_context.detach(token)
+
+    async def _admit_and_serve(
+        self, http: Exchange, endpoint: str, inflight: InflightRequest
+    ) -> None:
         if self.draining:
             inflight.fail(http, NoInstances("the frontend is shutting down"))
             return
@@ -140,8 +161,19 @@ class GenerateHandler:
                 check_supported(req, serving_capabilities(cards))
                 inflight.ticket = self.admission.admit(req.model, cards)
                 preprocessor = entry.pipeline.preprocessor
-                size = _prompt_size(req)
-                prepared, extras = await offload.run(size, _preprocess, preprocessor, req, inflight)
+                inflight.worker_type = entry.serving_role().value
+                with (
+                    self._m.stage("preprocess"),
+                    tracing.tracer().start_as_current_span("preprocess") as span,
+                ):
+                    began = time.perf_counter()
+                    size = _prompt_size(req)
+                    prepared, extras = await offload.run(
+                        size, _preprocess, preprocessor, req, inflight
+                    )
+                    elapsed_ms = (time.perf_counter() - began) * 1000.0
+                    self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
+                    span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)
                 return
@@ -193,6 +225,7 @@ class GenerateHandler:
         except Exception as exc:
             inflight.fail(http, exc, self._overload_status)
             return
+        inflight.first_response()
         sink = KeepAliveSink(
             http.start_stream(200, [*SSE_HEADERS, *inflight.id_headers]), self._keep_alive_s
         )
@@ -265,6 +298,7 @@ class GenerateHandler:
         )
         try:
             async for delta in deltas:
+                inflight.first_response()
                 texts[delta.index].append(delta.text)
                 logprobs[delta.index].append(delta.logprobs)
                 if delta.finish_reason is not None:

@@ -4,15 +4,19 @@ It holds the request's ids, its ``Context``, its timing and usage (``RunStats``)
 its admission ticket (``admission.py``) and the router loads its attempts added. ``finish()`` is
 idempotent and the only place that records the request's metrics (``requests_total`` exactly
 once, whatever the path: rejection, validation error, engine error before or after the first
-token, disconnect, success), releases its admission ticket and frees its router load (each load
-exactly once). Tracing (a later issue) ends the request's span there.
+token, disconnect, success), releases its admission ticket, frees its router load (each load
+exactly once) and ends the request's root span (``http-request``, opened at arrival under the
+client's W3C ``traceparent`` if it sent one).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from dynamo.frontend.admission import Ticket
 from dynamo.frontend.attempt import Load
@@ -20,9 +24,12 @@ from dynamo.frontend.errors import to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.pipeline import ChoiceStats, RunStats
 from dynamo.frontend.streaming import JSON_HEADERS, Formatter
+from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics, observe_many
 from dynamo.preprocess import Prepared
 from dynamo.runtime.context import Context
+
+log = logging.getLogger(__name__)
 
 
 class InflightRequest:
@@ -46,6 +53,10 @@ class InflightRequest:
         "loads",
         "ticket",
         "finished",
+        "span",
+        "queued",
+        "worker_type",
+        "status",
     )
 
     def __init__(
@@ -83,6 +94,21 @@ class InflightRequest:
         self.loads: list[Load] = []
         self.ticket: Ticket | None = None
         self.finished = False
+        self.status = ""  # "success" or "error" once finished
+        self.queued = False  # admitted, no response yet (the queued_requests gauge)
+        self.worker_type = ""  # the serving role of the model (worker_* gauges)
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := http.header(k))}
+        self.span = tracing.tracer().start_span(
+            "http-request",
+            context=tracing.context_from_headers(carrier) if carrier else None,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.method": "POST",
+                "endpoint": endpoint,
+                "request_id": self.request_id,
+                "x_request_id": client_id or "",
+            },
+        )
 
     def begin(self, prepared: list[Prepared], n: int, fmt: Formatter) -> Context:
         """Generation starts: the request's context, stats and formatter; the gauges go up."""
@@ -93,9 +119,19 @@ class InflightRequest:
             started_at=self.started,
         )
         self.fmt = fmt
-        self._metrics.active_requests.labels(self.model).inc()
-        self._metrics.inflight_requests.labels(self.model).inc()
+        m = self._metrics
+        m.active_requests.labels(self.model).inc()
+        m.inflight_requests.labels(self.model).inc()
+        m.requests_started.labels(self.model, self.endpoint, self.request_type).inc()
+        m.queued_requests.labels(self.model).inc()
+        self.queued = True
         return self.ctx
+
+    def first_response(self) -> None:
+        """The first response came back: the request is no longer queued. Idempotent."""
+        if self.queued:
+            self.queued = False
+            self._metrics.queued_requests.labels(self.model).dec()
 
     def stop(self) -> None:
         """Ask the request to stop (shutdown, client gone): the engines abort."""
@@ -118,11 +154,25 @@ class InflightRequest:
         self._metrics.model_cancellation.labels(self.model, self.endpoint, self.request_type).inc()
         self.finish("error", "cancelled")
 
+    def _per_worker(self, stats: RunStats) -> None:
+        """The ``worker_last_*`` gauges of the workers that served the request's choices."""
+        m = self._metrics
+        for choice in stats.choices:
+            sel = choice.selection
+            if sel is None or choice.first_token_at is None:
+                continue
+            key = (f"{sel.instance_id:x}", str(sel.dp_rank or 0), self.worker_type)
+            m.worker_last_ttft.labels(*key).set(choice.first_token_at - self.started)
+            m.worker_last_isl.labels(*key).set(stats.prompt_tokens)
+            if choice.itls:
+                m.worker_last_itl.labels(*key).set(sum(choice.itls) / len(choice.itls))
+
     def finish(self, status: str = "success", error_type: str = "") -> None:
         """Record the outcome and free what the request holds. Idempotent: the first call wins."""
         if self.finished:
             return
         self.finished = True
+        self.status = status
         if self.ticket is not None:
             self.ticket.release()
         for load in self.loads:
@@ -130,6 +180,9 @@ class InflightRequest:
         m = self._metrics
         model = self.model
         m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
+        if status == "error":
+            m.failures.labels(model, self.endpoint, self.request_type, error_type).inc()
+        self.first_response()
         stats = self.stats
         if stats is not None:
             m.active_requests.labels(model).dec()
@@ -146,5 +199,19 @@ class InflightRequest:
                 observe_many(itl, choice.itls)
             if stats.cached_tokens is not None:
                 m.cached_tokens.labels(model).observe(stats.cached_tokens)
+                if stats.prompt_tokens:
+                    m.kv_hit_rate.labels(model).observe(stats.cached_tokens / stats.prompt_tokens)
+            self._per_worker(stats)
+        span = self.span
+        # The handler's task has the request span current: this line carries its trace id.
+        log.debug("request %s finished: %s %s", self.request_id, status, error_type or "-")
+        span.set_attribute("model", model)
+        span.set_attribute("request_type", self.request_type)
+        span.set_attribute("status", status)
+        if error_type:
+            span.set_attribute("error_type", error_type)
+            if error_type != "cancelled":
+                span.set_status(Status(StatusCode.ERROR, error_type))
+        span.end()
         if self._on_finish is not None:
             self._on_finish(self)

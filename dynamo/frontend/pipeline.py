@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dynamo.frontend.logprobs import TokenLogprobs
+from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Preprocessor
+from dynamo.protocol.request import TraceLink
 from dynamo.router.basic import Selection
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ class ModelPipeline:
 
     name: str
     preprocessor: Preprocessor
+    metrics: FrontendMetrics | None = None  # the frontend's (stage timings of routing)
     disagg: Disaggregation | None = None
 
 
@@ -55,6 +58,9 @@ class ChoiceStats:
     dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
+    # The worker's engine.generate span of the latest attempt: a retry links to it
+    # (``tracing.with_predecessor``).
+    trace_link: TraceLink | None = None
 
 
 @dataclass(slots=True)

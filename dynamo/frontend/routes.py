@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from dynamo.frontend.dashboard import Dashboard
+from dynamo.frontend.dashboard_page import PAGE
 from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.generate import GenerateHandler
@@ -18,6 +20,7 @@ from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.streaming import JSON_HEADERS, encode_json
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.openai import ModelList, ModelListing
+from dynamo.router.kv_router import KVRouter
 
 
 class Routes:
@@ -30,8 +33,10 @@ class Routes:
         generate: GenerateHandler,
         *,
         overload_status: int,
+        dashboard: Dashboard | None = None,
     ) -> None:
         self._registry = registry
+        self._dashboard = dashboard
         self._metrics = metrics
         self._generate = generate
         self._overload_status = overload_status
@@ -43,6 +48,9 @@ class Routes:
             "/health": self._health,
             "/live": self._live,
         }
+        if dashboard is not None:
+            self._get["/dashboard"] = self._dashboard_page
+            self._get["/dashboard/data"] = self._dashboard_data
         self._post = {
             "/v1/chat/completions": self._generate.chat,
             "/v1/completions": self._generate.completion,
@@ -143,8 +151,27 @@ class Routes:
             "status": "healthy" if ready else "not_ready",
             "endpoints": sorted(endpoints),
             "instances": instances,
+            "kv_consistency": self._kv_consistency(),
         }
         http.reply(200 if ready else 503, JSON_HEADERS, encode_json(body))
+
+    def _dashboard_page(self, http: Exchange) -> None:
+        http.reply(200, [("content-type", "text/html; charset=utf-8")], PAGE)
+
+    def _dashboard_data(self, http: Exchange) -> None:
+        assert self._dashboard is not None
+        headers = [*JSON_HEADERS, ("cache-control", "no-store")]
+        http.reply(200, headers, encode_json(self._dashboard.snapshot()))
+
+    def _kv_consistency(self) -> list[dict[str, object]]:
+        """Each KV router's latest cache-consistency check, per worker rank."""
+        out: list[dict[str, object]] = []
+        for entry in self._registry.models():
+            for role, router in list(entry.routers.items()):
+                if isinstance(router, KVRouter):
+                    for state in router.consistency.values():
+                        out.append({"model": entry.name, "role": role.value, **state.as_json()})
+        return out
 
     def _live(self, http: Exchange) -> None:
         if self.draining:

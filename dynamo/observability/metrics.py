@@ -7,9 +7,11 @@ process in tests and in ``dynamo serve --in-process``).
 from __future__ import annotations
 
 import os
+import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -30,6 +32,7 @@ class FrontendMetrics:
         self, prefix: str | None = None, registry: CollectorRegistry | None = None
     ) -> None:
         p = (prefix or frontend_prefix()).rstrip("_")
+        self.prefix = p
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -123,6 +126,71 @@ class FrontendMetrics:
             ["model", "endpoint"],
             registry=r,
         )
+        # -- issue 17: the FACTS §10.1 families that were missing --------------------------
+        self.requests_started = Counter(
+            f"{p}_requests_started",
+            "Requests admitted to generation (each once)",
+            ["model", "endpoint", "request_type"],
+            registry=r,
+        )
+        self.failures = Counter(
+            f"{p}_failures",
+            "Requests that ended in an error (each once)",
+            ["model", "endpoint", "request_type", "error_type"],
+            registry=r,
+        )
+        self.queued_requests = Gauge(
+            f"{p}_queued_requests",
+            "Requests admitted and waiting for their first response (deprecated name)",
+            ["model"],
+            registry=r,
+        )
+        self.stage_requests = Gauge(
+            f"{p}_stage_requests",
+            "Requests in a pipeline stage (preprocess, route, dispatch)",
+            ["stage", "phase"],
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            f"{p}_stage_duration_seconds",
+            "Time spent in a pipeline stage (dispatch: sent until the first response)",
+            ["stage"],
+            registry=r,
+            buckets=env_buckets("TTFT", 0.001, 480, 18),
+        )
+        self.tokenizer_latency = Histogram(
+            f"{p}_tokenizer_latency_ms",
+            "Preprocessing (template + tokenization) time per request, milliseconds",
+            ["model"],
+            registry=r,
+            buckets=[0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000],
+        )
+        self.kv_hit_rate = Histogram(
+            f"{p}_kv_hit_rate",
+            "Prompt tokens served from the KV cache, as a fraction of the prompt",
+            ["model"],
+            registry=r,
+            buckets=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+        )
+        worker_labels = ["worker_id", "dp_rank", "worker_type"]
+        self.worker_last_ttft = Gauge(
+            f"{p}_worker_last_time_to_first_token_seconds",
+            "TTFT of the latest request a worker served",
+            worker_labels,
+            registry=r,
+        )
+        self.worker_last_isl = Gauge(
+            f"{p}_worker_last_input_sequence_tokens",
+            "Prompt length of the latest request a worker served",
+            worker_labels,
+            registry=r,
+        )
+        self.worker_last_itl = Gauge(
+            f"{p}_worker_last_inter_token_latency_seconds",
+            "Mean inter-token latency of the latest request a worker served",
+            worker_labels,
+            registry=r,
+        )
         # Request migration (FACTS §7): a retry on another instance after a migratable failure.
         self.model_migration = Counter(
             f"{p}_model_migration",
@@ -169,6 +237,51 @@ class FrontendMetrics:
             registry=r,
         )
 
+    @contextmanager
+    def stage(self, stage: str, phase: str = "") -> Iterator[None]:
+        """Count a request in ``stage`` (``stage_requests``) and time it (``stage_duration``)."""
+        gauge = self.stage_requests.labels(stage, phase)
+        gauge.inc()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            self.stage_duration.labels(stage).observe(time.perf_counter() - started)
+
+
+WorkerLoads = Callable[[], Iterable[tuple[int, int, str, int, int]]]
+"""Yields (worker id, dp rank, worker type, active decode blocks, active prefill tokens)."""
+
+
+class WorkerLoadGauges:
+    """The frontend's ``worker_active_decode_blocks`` / ``worker_active_prefill_tokens``: the
+    KV routers' view of each worker's load, read at every scrape."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry, source: WorkerLoads) -> None:
+        self._prefix = prefix.rstrip("_")
+        self._source = source
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker_id", "dp_rank", "worker_type"]
+        p = self._prefix
+        blocks = GaugeMetricFamily(
+            f"{p}_worker_active_decode_blocks", "Decode blocks the router counts", labels=labels
+        )
+        tokens = GaugeMetricFamily(
+            f"{p}_worker_active_prefill_tokens", "Prefill tokens the router counts", labels=labels
+        )
+        for worker_id, dp_rank, worker_type, decode_blocks, prefill_tokens in self._source():
+            key = [f"{worker_id:x}", str(dp_rank), worker_type]
+            blocks.add_metric(key, decode_blocks)
+            tokens.add_metric(key, prefill_tokens)
+        yield blocks
+        yield tokens
+
 
 class RouterMetrics:
     """KV router metrics (FACTS §10.1 names: dynamo_router_*, kv_cache_events_applied)."""
@@ -200,6 +313,20 @@ class RouterMetrics:
             "Replica-sync events dropped (queue full)",
             registry=r,
         )
+        # The cache-consistency check (router/consistency.py).
+        self.kv_index_drift = Gauge(
+            "dynamo_router_kv_index_drift_blocks",
+            "Blocks by which the router's view of a worker rank differs from the worker's own "
+            "(at least 1 when the counts agree but the digests do not); 0 when consistent",
+            ["model", "worker_id", "dp_rank"],
+            registry=r,
+        )
+        self.kv_index_resyncs = Counter(
+            "dynamo_router_kv_index_resyncs",
+            "Worker ranks re-read in full after the consistency check found drift",
+            ["model", "worker_id"],
+            registry=r,
+        )
 
 
 class WorkerMetrics:
@@ -216,6 +343,12 @@ class WorkerMetrics:
         ).labels(*values)
         self.inflight = Gauge(
             "dynamo_component_inflight_requests", "Requests in flight", names, registry=r
+        ).labels(*values)
+        self.request_bytes = Counter(
+            "dynamo_component_request_bytes", "Request bytes received", names, registry=r
+        ).labels(*values)
+        self.response_bytes = Counter(
+            "dynamo_component_response_bytes", "Response bytes sent", names, registry=r
         ).labels(*values)
         self.duration = Histogram(
             "dynamo_component_request_duration_seconds",

@@ -57,10 +57,12 @@ class KVEventBatch(msgspec.Struct, kw_only=True):
 
 
 class KVRecoveryRequest(msgspec.Struct, kw_only=True):
-    """A router asks a worker's local index for events from ``start_event_id`` (None: full dump)."""
+    """A router asks a worker's local index for events from ``start_event_id`` (None: full dump),
+    or (``digest_only``) just the count and digest of its blocks (the consistency check)."""
 
     dp_rank: int = 0
     start_event_id: int | None = None
+    digest_only: bool = False
 
 
 class KVRecoveryResponse(msgspec.Struct, kw_only=True):
@@ -71,3 +73,6 @@ class KVRecoveryResponse(msgspec.Struct, kw_only=True):
     events: list[KVCacheEvent]
     is_dump: bool
     last_event_id: int | None
+    # Set on a digest_only answer: the rank's block count and ``RadixTree.digest``.
+    num_blocks: int | None = None
+    digest: int | None = None

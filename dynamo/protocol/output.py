@@ -7,6 +7,7 @@ from enum import StrEnum
 import msgspec
 
 from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.protocol.request import TraceLink
 
 
 class FinishReason(StrEnum):
@@ -49,6 +50,9 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False
     # Prompt log-probabilities (OutputOptions.prompt_logprobs), on the first chunk only; the
     # first prompt token has none (``None``).
     prompt_logprobs: list[float | None] | None = None
+    # The worker's ``engine.generate`` span, on the first chunk with tokens (or the terminal):
+    # a successor request (decode after prefill, a migration retry) links to it.
+    worker_trace_link: TraceLink | None = None
 
     @property
     def is_terminal(self) -> bool:

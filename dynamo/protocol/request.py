@@ -84,7 +84,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     ``prefill_result`` is set on decode-bound requests in disaggregated serving: it carries the
     prefill worker's handoff. ``migration_link`` is set by the framework when the request is a
-    continuation of an earlier attempt.
+    continuation of an earlier attempt (its ``engine.generate`` span links to that attempt's).
     """
 
     model: str
@@ -99,3 +99,6 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     lora_name: str | None = None
     prefill_result: DisaggregatedParams | None = None
     migration_link: TraceLink | None = None
+    # The W3C ``traceparent`` of the span the request was sent from (the frontend's request
+    # span): the worker's spans join that trace (observability/tracing.py).
+    traceparent: str | None = None

@@ -25,6 +25,7 @@ class Selection:
     instance_id: int
     dp_rank: int | None = None
     overlap_blocks: int = 0
+    cost: float | None = None  # the KV router's cost of the choice (lower is better)
 
 
 class Router(Protocol):

@@ -27,6 +27,7 @@ class KVRouterSettings:
     assume_kv_reuse: bool = True
     decode_active_request_weight: float = 0.0
     overlap_score_credit_decay: float = 0.0
+    consistency_check_interval_s: float = 30.0
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +132,13 @@ class KVRouterSettings:
         )
         add_flag(
             g,
+            "--router-kv-consistency-interval",
+            default=d.consistency_check_interval_s,
+            type=float,
+            help="seconds between checks of the KV index against each worker's own (0: off)",
+        )
+        add_flag(
+            g,
             "--router-assume-kv-reuse",
             default=d.assume_kv_reuse,
             type=bool,
@@ -167,4 +175,5 @@ class KVRouterSettings:
             overlap_score_credit_decay=args.router_kv_overlap_score_credit_decay,
             track_active_blocks=args.router_track_active_blocks,
             assume_kv_reuse=args.router_assume_kv_reuse,
+            consistency_check_interval_s=args.router_kv_consistency_interval,
         )

@@ -172,6 +172,11 @@ class KVIndexer:
         """Worker ranks currently known (with or without blocks)."""
         return list(self._ranks)
 
+    def digest(self, worker_id: int, dp_rank: int = 0) -> tuple[int, int]:
+        """(blocks, digest) of the rank's block set, comparable with its local index's."""
+        st = self._ranks.get((worker_id, dp_rank))
+        return (0, 0) if st is None else self._tree.digest(st.slot)
+
     def num_blocks(self, worker_id: int, dp_rank: int = 0) -> int:
         st = self._ranks.get((worker_id, dp_rank))
         return 0 if st is None else self._tree.num_blocks(st.slot)

@@ -28,6 +28,7 @@ from dynamo.protocol.kv_events import (
     BlocksRemoved,
     BlocksStored,
     KVCacheEvent,
+    KVRecoveryRequest,
     KVRecoveryResponse,
 )
 from dynamo.protocol.kv_wire import decode_batch
@@ -36,6 +37,7 @@ from dynamo.protocol.request import PreprocessedRequest
 from dynamo.router.approx import ApproxIndex
 from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
+from dynamo.router.consistency import RankConsistency, drift_blocks
 from dynamo.router.core import RoutingCore, WorkerSpec
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 MAX_RECOVERY_ATTEMPTS = 3
 HISTORY_WINDOW_S = 10.0  # how long stored events wait for their worker to be discovered
 HISTORY_MAX_EVENTS = 100_000  # per worker; beyond, that worker is asked for a dump
+CONSISTENCY_ATTEMPTS = 5  # digest requests per rank per round while events are in flight
 
 _recovery_decoder = msgspec.msgpack.Decoder(KVRecoveryResponse)
 _EVENT_TYPE = {BlocksStored: "stored", BlocksRemoved: "removed", AllBlocksCleared: "cleared"}
@@ -87,6 +90,8 @@ class KVRouter:
         # Stored KV events by worker, read at start (JetStream), for workers not added yet:
         # applied when discovery adds them, in place of asking each for a dump.
         self._history: dict[int, list[KVCacheEvent]] | None = None
+        self.consistency: dict[tuple[int, int], RankConsistency] = {}
+        """The latest cache-consistency check per worker rank (``check_consistency``)."""
 
     @property
     def indexer(self) -> KVIndexer | None:
@@ -125,6 +130,12 @@ class KVRouter:
             self._events_task = asyncio.create_task(
                 self._follow_events(), name=f"kv-router-events:{self.model}"
             )
+            if self.settings.consistency_check_interval_s > 0:
+                task = asyncio.create_task(
+                    self._check_loop(), name=f"kv-router-consistency:{self.model}"
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         if self.settings.replica_sync:
             on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
             self._sync = RouterReplicaSync(
@@ -192,7 +203,7 @@ class KVRouter:
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )
-        return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks)
+        return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 
     def on_first_token(self, request_id: str) -> None:
         if self.core.prefill_completed(request_id) and self._sync is not None:
@@ -253,6 +264,14 @@ class KVRouter:
         if self._workers.pop(instance_id, None) is None:
             return
         self.core.remove_worker(instance_id)
+        for key in [k for k in self.consistency if k[0] == instance_id]:
+            del self.consistency[key]
+            if self._metrics is not None:
+                labels = (self.model, f"{instance_id:x}", str(key[1]))
+                try:
+                    self._metrics.kv_index_drift.remove(*labels)
+                except KeyError:
+                    pass
 
     # -- KV events and recovery --------------------------------------------------------------
     async def _follow_events(self) -> None:
@@ -285,8 +304,19 @@ class KVRouter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _recover(self, worker_id: int, rank: int) -> None:
-        """Ask the worker's local index for the missed tail (or a dump) and ingest it."""
+    async def _ask(self, worker_id: int, request: KVRecoveryRequest) -> KVRecoveryResponse | None:
+        """One request to the worker's local index (its ``kv_recovery`` endpoint)."""
+        assert self._recovery is not None
+        await self._recovery.wait_for_instances(1, timeout=5)
+        response: KVRecoveryResponse | None = None
+        stream = self._recovery.stream(_encoder.encode(request), Context(), instance_id=worker_id)
+        async for raw in stream:
+            response = _recovery_decoder.decode(raw)
+        return response
+
+    async def _recover(self, worker_id: int, rank: int, *, full: bool = False) -> None:
+        """Ask the worker's local index for the missed tail (or a dump: ``full``) and ingest
+        it."""
         assert self.indexer is not None and self._recovery is not None
         indexer = self.indexer
         try:
@@ -294,15 +324,9 @@ class KVRouter:
                 if worker_id not in self._workers:
                     indexer.cancel_recovery(worker_id, rank)
                     return
-                request = indexer.recovery_request(worker_id, rank)
+                request = indexer.recovery_request(worker_id, rank, full=full)
                 try:
-                    await self._recovery.wait_for_instances(1, timeout=5)
-                    response: KVRecoveryResponse | None = None
-                    stream = self._recovery.stream(
-                        _encoder.encode(request), Context(), instance_id=worker_id
-                    )
-                    async for raw in stream:
-                        response = _recovery_decoder.decode(raw)
+                    response = await self._ask(worker_id, request)
                 except Exception as exc:
                     log.warning("KV recovery from worker %x failed: %s", worker_id, exc)
                     indexer.cancel_recovery(worker_id, rank)
@@ -316,6 +340,80 @@ class KVRouter:
         except asyncio.CancelledError:
             indexer.cancel_recovery(worker_id, rank)
             raise
+
+    # -- cache consistency (router/consistency.py) ---------------------------------------------
+    async def _check_loop(self) -> None:
+        interval = self.settings.consistency_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_consistency()
+            except Exception:
+                log.exception("KV consistency check failed")
+
+    async def check_consistency(self) -> list[RankConsistency]:
+        """Compare the index with each worker rank's local index; resync a rank that drifted.
+        Returns the ranks checked this round (a rank with events in flight or in recovery is
+        skipped until the next round)."""
+        if self.indexer is None or self._recovery is None:
+            return []
+        checked: list[RankConsistency] = []
+        for worker_id, rank in self.indexer.workers():
+            if worker_id not in self._workers or self.indexer.is_recovering(worker_id, rank):
+                continue
+            try:
+                state = await self._check_rank(worker_id, rank)
+            except Exception as exc:  # the worker went away mid-check, a timeout, ...
+                log.info("KV consistency check of worker %x skipped: %s", worker_id, exc)
+                continue
+            if state is not None:
+                checked.append(state)
+        return checked
+
+    async def _check_rank(self, worker_id: int, rank: int) -> RankConsistency | None:
+        indexer = self.indexer
+        assert indexer is not None
+        request = KVRecoveryRequest(dp_rank=rank, digest_only=True)
+        for attempt in range(CONSISTENCY_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(0.05)  # events in flight: let them land
+            response = await self._ask(worker_id, request)
+            if response is None or response.num_blocks is None or response.digest is None:
+                return None  # a worker that does not answer digests
+            if indexer.is_recovering(worker_id, rank) or worker_id not in self._workers:
+                return None
+            if indexer.last_event_id(worker_id, rank) == response.last_event_id:
+                break
+        else:
+            return None
+        mine = indexer.digest(worker_id, rank)
+        drift = drift_blocks(mine, (response.num_blocks, response.digest))
+        previous = self.consistency.get((worker_id, rank))
+        state = RankConsistency(
+            worker_id,
+            rank,
+            router_blocks=mine[0],
+            worker_blocks=response.num_blocks,
+            drift_blocks=drift,
+            last_event_id=response.last_event_id,
+            resyncs=previous.resyncs if previous is not None else 0,
+        )
+        self.consistency[(worker_id, rank)] = state
+        if self._metrics is not None:
+            self._metrics.kv_index_drift.labels(self.model, f"{worker_id:x}", str(rank)).set(drift)
+        if drift:
+            log.warning(
+                "KV index of worker %x rank %d drifted (%d blocks here, %d there): resyncing",
+                worker_id,
+                rank,
+                mine[0],
+                response.num_blocks,
+            )
+            state.resyncs += 1
+            if self._metrics is not None:
+                self._metrics.kv_index_resyncs.labels(self.model, f"{worker_id:x}").inc()
+            await self._recover(worker_id, rank, full=True)
+        return state
 
     # -- replica sync --------------------------------------------------------------------------
     def _apply_sync(self, event: SyncEvent) -> None:

@@ -83,6 +83,17 @@ class LocalKVIndex:
         """The tail from ``request.start_event_id`` if buffered, else a full dump of the rank."""
         rank = request.dp_rank
         last = self._last.get(rank)
+        if request.digest_only:
+            count, digest = self._tree.digest(rank)
+            return KVRecoveryResponse(
+                worker_id=self.worker_id,
+                dp_rank=rank,
+                events=[],
+                is_dump=False,
+                last_event_id=last,
+                num_blocks=count,
+                digest=digest,
+            )
         buf = self._buffers.get(rank)
         start = request.start_event_id
         if start is not None and last is not None and buf and buf[0].event_id <= start <= last + 1:

@@ -23,6 +23,10 @@ class BlockLike(Protocol):
     def tokens_hash(self) -> int: ...
 
 
+_DIGEST_MUL = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
 class RadixTree:
     """A path-compressed prefix tree of local block hashes; each run records which *slots* hold it.
 
@@ -64,6 +68,16 @@ class RadixTree:
     def num_blocks(self, slot: int) -> int:
         """Blocks the slot holds."""
         return len(self._lookups.get(slot, ()))
+
+    def digest(self, slot: int) -> tuple[int, int]:
+        """(blocks, digest) of the slot's block set: an order-independent 64-bit sum of mixed
+        external ids, so two indexes holding the same blocks agree whatever order they learnt
+        them in (the router's cache-consistency check). Walks the slot's ids."""
+        lookup = self._lookups.get(slot, {})
+        total = 0
+        for h in lookup:
+            total += ((h ^ (h >> 31)) * _DIGEST_MUL) & _MASK64
+        return len(lookup), total & _MASK64
 
     def slots(self) -> list[int]:
         return [s for s, lookup in self._lookups.items() if lookup]

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
 import uvloop
 import zmq
 
+from dynamo.observability.logging import configure_logging
 from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
 from dynamo.slot_tracker.service import SlotTrackerService
 
@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        configure_logging()
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         uvloop.run(serve(config))
     except (OSError, zmq.ZMQError) as exc:  # port in use, endpoint not bindable, ...

@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from dynamo.backend.run import configure_logging, run_async  # noqa: E402
+from dynamo.backend.run import run_async  # noqa: E402
 from dynamo.backend.worker import Worker, WorkerConfig  # noqa: E402
+from dynamo.observability.logging import configure_logging  # noqa: E402
 from dynamo.runtime.config import RuntimeConfig  # noqa: E402
 from dynamo.runtime.context import Context  # noqa: E402
 from tests.fakes import CountingEngine  # noqa: E402
@@ -33,7 +34,7 @@ class ReportingEngine(CountingEngine):
 
 
 async def main() -> None:
-    configure_logging("INFO")
+    configure_logging("info")
     config = WorkerConfig(
         runtime=RuntimeConfig(
             discovery_backend="file",
