@@ -43,6 +43,8 @@ from dynamo.runtime.http_limits import raise_fd_limit
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
+_DRAIN_MAX_BYTES = 64 * 1024 * 1024
+"""A body declared over the limit but under this is read and dropped before the 413."""
 
 
 class _Server(Server):
@@ -104,10 +106,17 @@ class _RSGIExchange:
 
     async def body(self, limit: int) -> bytes:
         declared = self.header("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        too_large = declared is not None and declared.isdigit() and int(declared) > limit
+        if too_large and int(declared or 0) > _DRAIN_MAX_BYTES:
             raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
         try:
             async with asyncio.timeout(self._body_timeout_s):
+                if too_large:
+                    # Read and drop it piece by piece (never one large copy), so that the client,
+                    # which sends its whole body before it reads, gets the 413 and not a reset.
+                    async for _ in self._protocol:
+                        pass
+                    raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
                 return await self._read_body(declared, limit)
         except TimeoutError:
             raise HTTPError(408, "the request body was not received in time") from None
