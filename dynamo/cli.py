@@ -11,6 +11,8 @@ COMMANDS = {
     "mocker": "dynamo.mocker.__main__",
     "slot-tracker": "dynamo.slot_tracker.__main__",
     "bench": "dynamo.bench.__main__",
+    "replay": "dynamo.replay.__main__",
+    "plan": "dynamo.replay.plan",
 }
 
 SUMMARY = {
@@ -19,6 +21,8 @@ SUMMARY = {
     "mocker": "a simulated vLLM-like worker",
     "slot-tracker": "the slot tracker HTTP service",
     "bench": "the load generator",
+    "replay": "simulate a deployment offline on a virtual clock",
+    "plan": "cheapest deployments meeting a latency SLO (sweeps replays)",
 }
 
 USAGE = (

@@ -26,6 +26,65 @@ T = TypeVar("T")
 PROG = "dynamo bench"
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload flags (what is sent), shared with ``dynamo replay``."""
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    w.add_argument("--isl", type=int, default=128, help="input tokens (per turn for multi-turn)")
+    w.add_argument("--osl", type=int, default=64, help="output tokens (max_tokens + ignore_eos)")
+    w.add_argument("--isl-stddev", type=float, default=0.0, help="normal spread of --isl")
+    w.add_argument("--osl-stddev", type=float, default=0.0, help="normal spread of --osl")
+    w.add_argument("--prefix-groups", type=int, default=4, help="prefix: number of groups G")
+    w.add_argument("--prefix-len", type=int, default=256, help="prefix: shared tokens P")
+    w.add_argument("--suffix-len", type=int, default=64, help="prefix: unique tokens S")
+    w.add_argument("--turns", type=int, default=3, help="multi-turn: turns per session")
+    w.add_argument("--think-time", type=float, default=0.0, help="multi-turn: s between turns")
+    w.add_argument("--trace", help="trace: Mooncake JSONL file")
+    w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash id")
+    w.add_argument("--trace-speedup", type=float, default=1.0, help="trace: time compression")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load flags (how it is offered), shared with ``dynamo replay``."""
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=1, help="closed loop: requests in flight")
+    load.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
+    load.add_argument("--num-requests", type=int, help="measured requests (default 100)")
+    load.add_argument("--duration", type=float, help="seconds to keep starting requests")
+    load.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+
+
+def workload_and_load(args: argparse.Namespace) -> dict[str, Any]:
+    """The BenchConfig fields set by :func:`add_workload_arguments` and
+    :func:`add_load_arguments`."""
+    return {
+        "workload": args.workload,
+        "isl": args.isl,
+        "osl": args.osl,
+        "isl_stddev": args.isl_stddev,
+        "osl_stddev": args.osl_stddev,
+        "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "suffix_len": args.suffix_len,
+        "turns": args.turns,
+        "think_time_s": args.think_time,
+        "trace": args.trace,
+        "trace_block_size": args.trace_block_size,
+        "trace_speedup": args.trace_speedup,
+        "concurrency": args.concurrency,
+        "rate": args.rate,
+        "max_concurrency": args.max_concurrency,
+        "num_requests": args.num_requests,
+        "duration_s": args.duration,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "request_timeout_s": args.request_timeout,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         PROG,
@@ -46,29 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="ids",
         help="completions prompts as token ids (exact, default) or text",
     )
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="synthetic")
-    w.add_argument("--isl", type=int, default=128, help="input tokens (per turn for multi-turn)")
-    w.add_argument("--osl", type=int, default=64, help="output tokens (max_tokens + ignore_eos)")
-    w.add_argument("--isl-stddev", type=float, default=0.0, help="normal spread of --isl")
-    w.add_argument("--osl-stddev", type=float, default=0.0, help="normal spread of --osl")
-    w.add_argument("--prefix-groups", type=int, default=4, help="prefix: number of groups G")
-    w.add_argument("--prefix-len", type=int, default=256, help="prefix: shared tokens P")
-    w.add_argument("--suffix-len", type=int, default=64, help="prefix: unique tokens S")
-    w.add_argument("--turns", type=int, default=3, help="multi-turn: turns per session")
-    w.add_argument("--think-time", type=float, default=0.0, help="multi-turn: s between turns")
-    w.add_argument("--trace", help="trace: Mooncake JSONL file")
-    w.add_argument("--trace-block-size", type=int, default=512, help="trace: tokens per hash id")
-    w.add_argument("--trace-speedup", type=float, default=1.0, help="trace: time compression")
-    load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, default=1, help="closed loop: requests in flight")
-    load.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
-    load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
-    load.add_argument("--num-requests", type=int, help="measured requests (default 100)")
-    load.add_argument("--duration", type=float, help="seconds to keep starting requests")
-    load.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_arguments(p)
+    add_load_arguments(p)
     req = p.add_argument_group("request")
     req.add_argument(
         "--no-ignore-eos", action="store_true", help="let the model stop before --osl tokens"
@@ -115,30 +153,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api=args.api,
         tokenizer=args.tokenizer,
         prompt_format=args.prompt_format,
-        workload=args.workload,
-        isl=args.isl,
-        osl=args.osl,
-        isl_stddev=args.isl_stddev,
-        osl_stddev=args.osl_stddev,
-        prefix_groups=args.prefix_groups,
-        prefix_len=args.prefix_len,
-        suffix_len=args.suffix_len,
-        turns=args.turns,
-        think_time_s=args.think_time,
-        trace=args.trace,
-        trace_block_size=args.trace_block_size,
-        trace_speedup=args.trace_speedup,
-        concurrency=args.concurrency,
-        rate=args.rate,
-        max_concurrency=args.max_concurrency,
-        num_requests=args.num_requests,
-        duration_s=args.duration,
-        warmup=args.warmup,
-        seed=args.seed,
+        **workload_and_load(args),
         ignore_eos=not args.no_ignore_eos,
         extra_body=extra,
         api_key=args.api_key,
-        request_timeout_s=args.request_timeout,
         server_pids=pids,
         output_dir=args.output_dir,
         plots=not args.no_plots,

@@ -76,10 +76,11 @@ class Sequence:
     unique_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.local_hashes = local_block_hashes(
-            self.tokens, self.block_size, lora_name=self.lora_name
-        )
-        self.block_hashes = _chain(self.local_hashes)
+        if len(self.local_hashes) != len(self.tokens) // self.block_size:  # not handed in
+            self.local_hashes = local_block_hashes(
+                self.tokens, self.block_size, lora_name=self.lora_name
+            )
+            self.block_hashes = _chain(self.local_hashes)
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +147,7 @@ def sequence_from_request(
     now: float,
     *,
     seed_id: str | None = None,
+    hashes: tuple[list[int], list[int]] | None = None,
 ) -> Sequence:
     """Build a request's state, applying the worker's role, or raise ``InvalidArgument`` if it
     can never run on this worker: an empty prompt, prompt + max_tokens beyond the context
@@ -154,6 +156,8 @@ def sequence_from_request(
     A prefill worker runs the prompt and one token; a decode worker takes the request's
     handoff (``prefill_result``) and receives the prompt's KV instead of computing it. Output
     ids are seeded by ``sampling.seed``, else by ``seed_id`` (default: ``request_id``).
+    ``hashes``: the prompt's (local, sequence) block hashes when the caller has them already
+    (the offline replay hashes once for the router and the engine); the lists are copied.
     """
     isl = len(request.token_ids)
     if isl == 0:
@@ -203,4 +207,6 @@ def sequence_from_request(
         handoff=handoff,
         pending_transfer=handoff is not None,
         reuse_prefix_cache=request.output.prompt_logprobs is None,
+        local_hashes=list(hashes[0]) if hashes is not None else [],
+        block_hashes=list(hashes[1]) if hashes is not None else [],
     )

@@ -167,6 +167,34 @@ class _ModelState:
     overrides: DisaggOverrides = field(default_factory=DisaggOverrides)
 
 
+def prefill_remotely(
+    settings: DisaggSettings,
+    isl: int,
+    cached: int,
+    queue_depth: int,
+    max_local: int | None = None,
+    max_queue: int | None = None,
+) -> bool:
+    """The conditional-disaggregation rule (module docstring), pure: a prompt of ``isl``
+    tokens, ``cached`` of them on the chosen decode worker, with ``queue_depth`` remote
+    prefills waiting. ``max_local``/``max_queue`` override the settings' thresholds (run-time
+    overrides). Shared with the offline replay."""
+    if max_local is None:
+        max_local = settings.max_local_prefill_length
+    if max_queue is None:
+        max_queue = settings.max_prefill_queue_size
+    if queue_depth >= max_queue:
+        return False
+    effective = max(0, isl - cached)
+    if settings.rule == "isl-bounding":
+        return not (
+            effective < settings.eff_isl_threshold
+            and isl > 0
+            and effective / isl < settings.eff_isl_ratio_threshold
+        )
+    return effective > max_local
+
+
 class Disaggregation:
     """One per frontend: the settings, the run-time overrides (watched in discovery) and the
     remote prefills in flight per model. Driven by the frontend's event loop only."""
@@ -255,17 +283,8 @@ class Disaggregation:
         """Whether a prompt of ``isl`` tokens, ``cached`` of them on the chosen decode worker,
         is prefilled remotely (the module docstring gives the rules)."""
         max_local, max_queue = self.thresholds(model)
-        if self.queue_depth(model, num_prefill_workers) >= max_queue:
-            return False
-        effective = max(0, isl - cached)
-        if self.settings.rule == "isl-bounding":
-            s = self.settings
-            return not (
-                effective < s.eff_isl_threshold
-                and isl > 0
-                and effective / isl < s.eff_isl_ratio_threshold
-            )
-        return effective > max_local
+        queue = self.queue_depth(model, num_prefill_workers)
+        return prefill_remotely(self.settings, isl, cached, queue, max_local, max_queue)
 
     # -- the remote prefill -------------------------------------------------------------------
     async def prefill(

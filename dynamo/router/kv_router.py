@@ -1,14 +1,13 @@
-"""The KV-cache-aware router of one model.
+"""The KV-cache-aware router of one model: an async shell over ``router/core.py``.
 
-Per request: block hashes (router/hashing.py) -> prefix overlap per (worker, dp_rank) from the
-index (KV events, or the approximate TTL index of our own decisions) -> load per rank from
-``ActiveSequences`` -> cost and choice (selector.py) -> the request's load is recorded until its
-first token (prefill) and its end (decode blocks).
+``RoutingCore`` decides (index, active load, selection) synchronously; this shell feeds it what
+only a live process has: KV event batches from the event plane, recovery of a worker rank's
+index after a gap or when a worker joins, replica sync with other routers, and metrics.
 
 Background tasks (owned here, cancelled by :meth:`close`): applying KV event batches, recovering a
-worker rank's index after a gap or when a worker joins, and replica sync. Workers join and leave
-through :meth:`KVRouter.add_worker` / :meth:`KVRouter.remove_worker`, called by the frontend's
-model registry from its discovery watch.
+worker rank's index, and replica sync. Workers join and leave through
+:meth:`KVRouter.add_worker` / :meth:`KVRouter.remove_worker`, called by the frontend's model
+registry from its discovery watch.
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from dynamo.protocol.request import PreprocessedRequest
 from dynamo.router.approx import ApproxIndex
 from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
+from dynamo.router.core import RoutingCore, WorkerSpec
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
-from dynamo.router.selector import Candidate, select_worker
 from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
@@ -75,19 +74,25 @@ class KVRouter:
         self.block_size = block_size
         self.settings = settings
         self._metrics = metrics
-        self._rng = rng or random.Random()
-        self._cfg = settings.selector_config()
-        self.indexer: KVIndexer | None = KVIndexer() if settings.use_kv_events else None
-        self.approx: ApproxIndex | None = (
-            None if settings.use_kv_events else ApproxIndex(settings.ttl_secs)
-        )
-        self.sequences = ActiveSequences(block_size, assume_kv_reuse=settings.assume_kv_reuse)
+        self.core = RoutingCore(block_size, settings, rng=rng or random.Random())
         self._workers: dict[int, ModelCard] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._events_task: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
         self._recovery: EndpointClient | None = None
         self._sync: RouterReplicaSync | None = None
+
+    @property
+    def indexer(self) -> KVIndexer | None:
+        return self.core.indexer
+
+    @property
+    def approx(self) -> ApproxIndex | None:
+        return self.core.approx
+
+    @property
+    def sequences(self) -> ActiveSequences:
+        return self.core.sequences
 
     @classmethod
     async def create(
@@ -149,26 +154,20 @@ class KVRouter:
         request_id = request.request_id or ""
         local = local_block_hashes(request.token_ids, self.block_size, lora_name=request.lora_name)
         seqs = sequence_hashes(local)
-        index = self.indexer if self.indexer is not None else self.approx
-        assert index is not None
-        overlaps = index.find_matches(local) if local else {}
-        targets = self._targets(request, candidates)
-        options = self._candidates(targets, seqs, overlaps)
         isl = len(request.token_ids)
-        chosen = select_worker(options, isl, self.block_size, self._cfg, self._rng)
-        try:
-            self.sequences.add_request(
-                request_id,
-                chosen.worker_id,
-                chosen.dp_rank,
-                seqs,
-                new_isl_tokens=isl,
-                overlap_blocks=chosen.overlap_blocks,
-            )
-        except DuplicateRequest:
+        hints = request.routing
+        chosen = self.core.route(
+            request_id,
+            local,
+            isl,
+            seq_hashes=seqs,
+            allowed={card.instance_id for card in candidates},
+            pinned_worker=hints.backend_instance_id if hints is not None else None,
+            dp_rank=hints.dp_rank if hints is not None else None,
+            record=False,
+        )
+        if not self.core.record(request_id, chosen, seqs, isl, local):
             log.warning("request id %s routed twice; load counted once", request_id)
-        if self.approx is not None and local:
-            self.approx.record(chosen.worker_id, chosen.dp_rank, local, seqs)
         if self._sync is not None:
             self._sync.publish(
                 SyncOp.ADD,
@@ -187,61 +186,12 @@ class KVRouter:
         return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks)
 
     def on_first_token(self, request_id: str) -> None:
-        if self.sequences.mark_prefill_completed(request_id) and self._sync is not None:
+        if self.core.prefill_completed(request_id) and self._sync is not None:
             self._sync.publish(SyncOp.PREFILL_COMPLETED, request_id)
 
     def on_finish(self, request_id: str) -> None:
-        if self.sequences.free(request_id) and self._sync is not None:
+        if self.core.free(request_id) and self._sync is not None:
             self._sync.publish(SyncOp.FREE, request_id)
-
-    # -- candidates ------------------------------------------------------------------------
-    def _targets(
-        self, request: PreprocessedRequest, candidates: Sequence[ModelCard]
-    ) -> list[tuple[ModelCard, int]]:
-        """(card, dp_rank) pairs allowed for this request (pinned instance / rank hints)."""
-        hints = request.routing
-        pinned = hints.backend_instance_id if hints is not None else None
-        rank = hints.dp_rank if hints is not None else None
-        out: list[tuple[ModelCard, int]] = []
-        for card in candidates:
-            if pinned is not None and card.instance_id != pinned:
-                continue
-            start = card.data_parallel_start_rank
-            for r in range(start, start + card.data_parallel_size):
-                if rank is None or r == rank:
-                    out.append((card, r))
-        if not out:
-            raise NoInstances("no live worker matches the request's instance / DP-rank hints")
-        return out
-
-    def _candidates(
-        self,
-        targets: list[tuple[ModelCard, int]],
-        seqs: list[int],
-        overlaps: dict[tuple[int, int], int],
-    ) -> list[Candidate]:
-        loads = {(p.worker_id, p.dp_rank): p for p in self.sequences.project_loads(seqs)}
-        track_blocks = self.settings.track_active_blocks
-        out: list[Candidate] = []
-        for card, rank in targets:
-            key = (card.instance_id, rank)
-            load = loads.get(key)
-            out.append(
-                Candidate(
-                    worker_id=card.instance_id,
-                    dp_rank=rank,
-                    overlap_blocks=overlaps.get(key, 0),
-                    active_prefill_tokens=load.active_prefill_tokens if load else 0,
-                    active_decode_blocks=load.active_decode_blocks if load and track_blocks else 0,
-                    new_decode_blocks=(load.new_decode_blocks if load else len(seqs))
-                    if track_blocks
-                    else 0,
-                    active_requests=load.active_requests if load else 0,
-                    total_kv_blocks=card.total_kv_blocks,
-                    max_num_batched_tokens=card.max_num_batched_tokens,
-                )
-            )
-        return out
 
     # -- workers (from the frontend's discovery watch) --------------------------------------
     def add_worker(self, card: ModelCard) -> None:
@@ -251,24 +201,23 @@ class KVRouter:
         if worker_id in self._workers:
             return
         self._workers[worker_id] = card
-        ranks = range(
+        spec = WorkerSpec(
+            worker_id,
             card.data_parallel_start_rank,
-            card.data_parallel_start_rank + card.data_parallel_size,
+            card.data_parallel_size,
+            card.total_kv_blocks,
+            card.max_num_batched_tokens,
         )
-        self.sequences.add_worker(worker_id, ranks)
+        self.core.add_worker(spec)
         if self.indexer is not None and self._recovery is not None:
-            for rank in ranks:
+            for rank in spec.ranks:
                 self._spawn_recovery(worker_id, rank)
 
     def remove_worker(self, instance_id: int) -> None:
         """Forget a departed worker: its index and load."""
         if self._workers.pop(instance_id, None) is None:
             return
-        self.sequences.remove_worker(instance_id)
-        if self.indexer is not None:
-            self.indexer.remove_worker(instance_id)
-        if self.approx is not None:
-            self.approx.remove_worker(instance_id)
+        self.core.remove_worker(instance_id)
 
     # -- KV events and recovery --------------------------------------------------------------
     async def _follow_events(self) -> None:

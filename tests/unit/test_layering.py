@@ -31,8 +31,9 @@ LEVEL = {
     "bench": 4,
 }
 # Composition roots that may wire top-level packages together.
-ROOTS = {"cli", "serve", "serve_args", "serve_inprocess", "__main__"}
-TOP = {"frontend", "mocker", "pytorch", "slot_tracker", "bench"}
+ROOTS = {"cli", "serve", "serve_args", "serve_inprocess", "__main__", "replay"}
+# (``replay`` composes a deployment offline: the mocker, the routers, bench's workloads.)
+TOP = {"frontend", "mocker", "pytorch", "slot_tracker", "bench", "replay"}
 
 
 def _imports(path: Path) -> list[str]:

@@ -1,0 +1,137 @@
+"""Offline replay speed (issue 18): the kv-routing workload (16 prefix groups of 1024 + 128
+tokens, OSL 32, closed loop c=32, 512 blocks of 16, speedup 1) with the KV router.
+
+    python benchmarks/replay.py                      # 20k requests / 4 workers, then 100k / 100
+    python benchmarks/replay.py --requests 20000 --skip-large --profile
+
+For each run: wall seconds (the whole ``run_replay`` call: building the prompts, simulating,
+summarizing) and simulated seconds. With the reference (ai-dynamo 1.6.1's Rust replay) in
+``--ref-python`` (default ``/work/refvenv/bin/python``), the same shape runs there side by side
+(``dynamo.replay.run_synthetic_trace_replay``, from /tmp so its ``dynamo`` package is the one
+imported). ``--profile`` prints the top of a cProfile of our 20k run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dynamo.bench.config import BenchConfig
+from dynamo.mocker.config import MockerConfig
+from dynamo.replay.deployment import Deployment
+from dynamo.replay.run import prompt_builder, run_replay
+
+ISL_PREFIX, ISL_SUFFIX, OSL, GROUPS, CONCURRENCY = 1024, 128, 32, 16, 32
+ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16, speedup_ratio=1.0)
+
+_REF_SCRIPT = f"""
+import json, sys, time
+from dynamo.replay import run_synthetic_trace_replay
+n, workers = int(sys.argv[1]), int(sys.argv[2])
+t = time.perf_counter()
+report = run_synthetic_trace_replay(
+    {ISL_PREFIX + ISL_SUFFIX}, {OSL}, n,
+    extra_engine_args={{"block_size": 16, "num_gpu_blocks": 512, "speedup_ratio": 1.0}},
+    num_workers=workers, replay_concurrency={CONCURRENCY}, router_mode="kv_router",
+    shared_prefix_ratio={ISL_PREFIX / (ISL_PREFIX + ISL_SUFFIX)}, num_prefix_groups={GROUPS},
+)
+wall = time.perf_counter() - t
+data = report if isinstance(report, dict) else getattr(report, "__dict__", {{}})
+summary = data.get("summary", data) if isinstance(data, dict) else {{}}
+def pick(*names):
+    for name in names:
+        if isinstance(summary, dict) and name in summary:
+            return summary[name]
+    return None
+print(json.dumps({{"wall_s": wall, "duration_ms": pick("duration_ms"),
+                   "hit": pick("prefix_cache_reused_ratio"),
+                   "itl_mean_ms": pick("mean_itl_ms", "itl_mean_ms"),
+                   "ttft_p50_ms": pick("p50_ttft_ms", "median_ttft_ms", "ttft_p50_ms")}}))
+"""
+
+
+def ours(requests: int, workers: int, *, profile: bool = False) -> dict[str, Any]:
+    bench = BenchConfig(
+        url="replay:",
+        workload="prefix",
+        prefix_groups=GROUPS,
+        prefix_len=ISL_PREFIX,
+        suffix_len=ISL_SUFFIX,
+        osl=OSL,
+        concurrency=CONCURRENCY,
+        num_requests=requests,
+    )
+    deployment = Deployment(workers, "kv", engine=ENGINE)
+    started = time.perf_counter()
+    if profile:
+        prof = cProfile.Profile()
+        result = prof.runcall(run_replay, bench, deployment)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    else:
+        result = run_replay(bench, deployment)
+    wall = time.perf_counter() - started
+    s = result.summary
+    return {
+        "wall_s": wall,
+        "simulation_wall_s": s["replay"]["simulation_wall_s"],
+        "simulated_s": s["replay"]["simulated_s"],
+        "hit": s["cache_hit_rate"],
+        "itl_mean_ms": s["itl_ms"]["mean"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "rps": s["request_throughput_rps"],
+    }
+
+
+def reference(python: str, requests: int, workers: int) -> dict[str, Any] | None:
+    if not Path(python).exists():
+        return None
+    proc = subprocess.run(
+        [python, "-c", _REF_SCRIPT, str(requests), str(workers)],
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    if proc.returncode != 0:
+        print(f"reference failed: {proc.stderr.strip()[-400:]}", file=sys.stderr)
+        return None
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--large-requests", type=int, default=100_000)
+    p.add_argument("--large-workers", type=int, default=100)
+    p.add_argument("--skip-large", action="store_true")
+    p.add_argument("--ref-python", default="/work/refvenv/bin/python")
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    prompt_builder(None)  # the demo tokenizer's word pool: loaded once, not timed
+    runs = [(args.requests, args.workers)]
+    if not args.skip_large:
+        runs.append((args.large_requests, args.large_workers))
+    for requests, workers in runs:
+        mine = ours(requests, workers, profile=args.profile and requests == args.requests)
+        print(f"ours      {requests} requests, {workers} workers: {json.dumps(mine)}", flush=True)
+        if not args.no_reference:
+            ref = reference(args.ref_python, requests, workers)
+            label = f"reference {requests} requests, {workers} workers"
+            print(f"{label}: {json.dumps(ref)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

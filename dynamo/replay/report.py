@@ -1,0 +1,106 @@
+"""What the replay adds to ``dynamo bench``'s report: per-worker figures, the routing decision
+of each request (``routing.jsonl``) and per-worker plots (load and prefix hit rate over time)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dynamo.replay.simulator import Flight
+
+PLOT_BINS = 50
+
+
+def _worker_key(worker_id: int, dp_rank: int) -> str:
+    return f"{worker_id:x}:{dp_rank}"
+
+
+def worker_summary(flights: Sequence[Flight]) -> dict[str, dict[str, Any]]:
+    """Per ``worker:dp_rank`` (hex id): requests served, prompt and cached tokens, hit rate."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in flights:
+        r = f.routing
+        if r is None or not f.record.ok:
+            continue
+        row = out.setdefault(
+            _worker_key(r.worker_id, r.dp_rank),
+            {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0},
+        )
+        row["requests"] += 1
+        row["prompt_tokens"] += f.record.prompt_tokens or 0
+        row["cached_tokens"] += f.record.cached_tokens or 0
+    for row in out.values():
+        row["hit_rate"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0
+    return dict(sorted(out.items()))
+
+
+def routing_rows(flights: Sequence[Flight]) -> Iterator[dict[str, Any]]:
+    """One row per request, in send order: where it went, its predicted overlap and cost."""
+    for f in flights:
+        r = f.routing
+        rec = f.record
+        yield {
+            "index": f.index,
+            "start_ms": rec.start * 1000,
+            "worker_id": None if r is None else r.worker_id,
+            "dp_rank": None if r is None else r.dp_rank,
+            "overlap_blocks": None if r is None else r.overlap_blocks,
+            "cost": None if r is None else r.cost,
+            "prefill_worker_id": None if r is None else r.prefill_worker_id,
+            "prefill_dp_rank": None if r is None else r.prefill_dp_rank,
+            "prefill_overlap_blocks": None if r is None else r.prefill_overlap_blocks,
+            "prompt_tokens": rec.prompt_tokens,
+            "cached_tokens": rec.cached_tokens,
+            "error": rec.error,
+        }
+
+
+def write_worker_plots(directory: Path, flights: Sequence[Flight]) -> list[Path]:
+    """workers.png: active requests per worker over time, and each worker's cumulative prefix
+    hit rate (requests started so far). Needs matplotlib (``bench`` extra)."""
+    from dynamo.bench.plots import _pyplot
+
+    plt = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    ok = [f for f in flights if f.routing is not None and f.record.ok]
+    span = max((f.record.end for f in ok), default=0.0) or 1.0
+    width = span / PLOT_BINS
+    keys = sorted({_worker_key(f.routing.worker_id, f.routing.dp_rank) for f in ok if f.routing})
+    active = {k: [0.0] * PLOT_BINS for k in keys}
+    prompt = {k: [0] * PLOT_BINS for k in keys}
+    cached = {k: [0] * PLOT_BINS for k in keys}
+    for f in ok:
+        assert f.routing is not None
+        key = _worker_key(f.routing.worker_id, f.routing.dp_rank)
+        start, end = f.record.start, f.record.end
+        first, last = int(start / width), min(PLOT_BINS - 1, int(end / width))
+        for i in range(first, last + 1):  # time-weighted requests in flight per bin
+            lo, hi = max(start, i * width), min(end, (i + 1) * width)
+            active[key][i] += max(0.0, hi - lo) / width
+        b = min(PLOT_BINS - 1, first)
+        prompt[key][b] += f.record.prompt_tokens or 0
+        cached[key][b] += f.record.cached_tokens or 0
+    centers = [(i + 0.5) * width for i in range(PLOT_BINS)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for key in keys:
+        top.plot(centers, active[key], label=key)
+        rate: list[float | None] = []
+        total_c = total_p = 0
+        for c, p in zip(cached[key], prompt[key], strict=True):
+            total_c, total_p = total_c + c, total_p + p
+            rate.append(total_c / total_p if total_p else None)
+        bottom.plot(centers, rate, label=key)
+    top.set(title="Requests in flight per worker", ylabel="requests")
+    bottom.set(
+        title="Prefix hit rate per worker (cumulative)",
+        xlabel="simulated time (s)",
+        ylabel="hit rate",
+    )
+    if len(keys) <= 16:
+        top.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    path = directory / "workers.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]

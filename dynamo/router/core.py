@@ -1,0 +1,223 @@
+"""The KV router's synchronous core: index + active load + selection (FACTS §3-§5).
+
+``RoutingCore`` is everything the KV router decides with, and nothing it waits for: no asyncio,
+no sockets, no wall clock unless one is handed in. The live router (``router/kv_router.py``) is a
+thin async shell around it (event subscription, recovery, replica sync); the offline replay
+(``dynamo.replay``) drives the very same object on a virtual clock. One owner calls every method.
+
+Per request: local block hashes -> prefix overlap per (worker, dp_rank) from the index (KV
+events, or the approximate TTL index of our own decisions) -> load per rank from
+``ActiveSequences`` -> cost and choice (``selector.select_worker``) -> the request's load is
+recorded until its first token (prefill) and its end (decode blocks).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from dynamo.protocol.kv_events import KVCacheEvent
+from dynamo.router.approx import ApproxIndex
+from dynamo.router.config import KVRouterSettings
+from dynamo.router.hashing import sequence_hashes
+from dynamo.router.indexer import EventStatus, KVIndexer
+from dynamo.router.selector import Candidate, Selection, select_worker
+from dynamo.router.sequences import ActiveSequences
+from dynamo.runtime.errors import NoInstances
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What the core needs to know about one worker (from its model card)."""
+
+    worker_id: int
+    dp_start: int = 0
+    dp_size: int = 1
+    total_kv_blocks: int | None = None  # the decode-blocks busy threshold needs it
+    max_num_batched_tokens: int | None = None  # the fractional prefill threshold needs it
+
+    @property
+    def ranks(self) -> range:
+        return range(self.dp_start, self.dp_start + self.dp_size)
+
+
+class RoutingCore:
+    """Synchronous KV routing for one model.
+
+    Workers are added and removed explicitly (from discovery live, from the deployment in a
+    replay), never on first route. ``route`` records the chosen rank's new load; the owner then
+    reports ``prefill_completed`` (first token) and ``free`` (end, error, cancel). KV events go
+    through ``apply_event``; with ``use_kv_events`` off the core indexes its own decisions for
+    ``ttl_secs`` instead (approximate mode).
+
+    ``clock`` times stale-request expiry and the approximate index's TTL: the replay passes its
+    virtual clock.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        settings: KVRouterSettings,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.settings = settings
+        self.rng = rng or random.Random()
+        self.selector = settings.selector_config()
+        self.indexer: KVIndexer | None = KVIndexer() if settings.use_kv_events else None
+        self.approx: ApproxIndex | None = (
+            None if settings.use_kv_events else ApproxIndex(settings.ttl_secs, clock=clock)
+        )
+        self.sequences = ActiveSequences(
+            block_size, assume_kv_reuse=settings.assume_kv_reuse, clock=clock
+        )
+        self.workers: dict[int, WorkerSpec] = {}
+        self._targets: list[tuple[WorkerSpec, int]] = []  # every (worker, rank), in join order
+
+    # -- membership ------------------------------------------------------------------------
+    def add_worker(self, worker: WorkerSpec) -> bool:
+        """Track a worker's ranks; False (nothing changes) if it is already tracked."""
+        if worker.worker_id in self.workers:
+            return False
+        self.workers[worker.worker_id] = worker
+        self.sequences.add_worker(worker.worker_id, worker.ranks)
+        self._targets.extend((worker, rank) for rank in worker.ranks)
+        return True
+
+    def remove_worker(self, worker_id: int) -> bool:
+        """Forget a worker: its index and its load. False if it was not tracked."""
+        if self.workers.pop(worker_id, None) is None:
+            return False
+        self._targets = [t for t in self._targets if t[0].worker_id != worker_id]
+        self.sequences.remove_worker(worker_id)
+        if self.indexer is not None:
+            self.indexer.remove_worker(worker_id)
+        if self.approx is not None:
+            self.approx.remove_worker(worker_id)
+        return True
+
+    # -- KV events -------------------------------------------------------------------------
+    def apply_event(self, worker_id: int, event: KVCacheEvent) -> EventStatus:
+        """Apply one KV event of a tracked worker (approximate mode: ignored, OK)."""
+        if self.indexer is None:
+            return EventStatus.OK
+        return self.indexer.apply(worker_id, event)
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(
+        self,
+        request_id: str,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        *,
+        seq_hashes: Sequence[int] | None = None,
+        allowed: Collection[int] | None = None,
+        pinned_worker: int | None = None,
+        dp_rank: int | None = None,
+        record: bool = True,
+    ) -> Selection:
+        """Choose a (worker, rank) for a request and (``record``) count its load there.
+
+        ``local_hashes``: the prompt's complete blocks (``router.hashing``); ``seq_hashes``
+        their chained form (computed if omitted). ``allowed``: the live worker ids to choose
+        among (None: every tracked worker); ``pinned_worker``/``dp_rank`` narrow it further
+        (routing hints). Raises ``NoInstances`` when nothing matches and ``Overloaded`` when
+        every match is busy. A duplicate ``request_id`` routes but counts its load once.
+        """
+        targets = self._eligible(allowed, pinned_worker, dp_rank)
+        seqs = list(seq_hashes) if seq_hashes is not None else sequence_hashes(local_hashes)
+        index = self.indexer if self.indexer is not None else self.approx
+        assert index is not None
+        overlaps = index.find_matches(local_hashes) if local_hashes else {}
+        options = self._candidates(targets, seqs, overlaps)
+        chosen = select_worker(options, isl_tokens, self.block_size, self.selector, self.rng)
+        if record:
+            self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
+        return chosen
+
+    def record(
+        self,
+        request_id: str,
+        chosen: Selection,
+        seq_hashes: Sequence[int],
+        isl_tokens: int,
+        local_hashes: Sequence[int] = (),
+    ) -> bool:
+        """Count a routed request's load on its rank (and, approximate mode, its prefix).
+        False if the id is already active (its load stays counted once) or the rank left."""
+        seqs = self.sequences
+        if not seqs.has_rank(chosen.worker_id, chosen.dp_rank) or seqs.worker_of(request_id):
+            return False
+        seqs.add_request(
+            request_id,
+            chosen.worker_id,
+            chosen.dp_rank,
+            seq_hashes,
+            new_isl_tokens=isl_tokens,
+            overlap_blocks=chosen.overlap_blocks,
+        )
+        if self.approx is not None and local_hashes:
+            self.approx.record(chosen.worker_id, chosen.dp_rank, local_hashes, seq_hashes)
+        return True
+
+    def prefill_completed(self, request_id: str) -> bool:
+        """First token seen: the request's prefill tokens leave its rank's load."""
+        return self.sequences.mark_prefill_completed(request_id)
+
+    def free(self, request_id: str) -> bool:
+        """The request ended: everything it held leaves its rank's load. Idempotent."""
+        return self.sequences.free(request_id)
+
+    # -- internals -------------------------------------------------------------------------
+    def _eligible(
+        self, allowed: Collection[int] | None, pinned: int | None, rank: int | None
+    ) -> list[tuple[WorkerSpec, int]]:
+        if allowed is None and pinned is None and rank is None:
+            targets = self._targets
+        else:
+            targets = [
+                (w, r)
+                for w, r in self._targets
+                if (allowed is None or w.worker_id in allowed)
+                and (pinned is None or w.worker_id == pinned)
+                and (rank is None or r == rank)
+            ]
+        if not targets:
+            if pinned is not None or rank is not None:
+                raise NoInstances("no live worker matches the request's instance / DP-rank hints")
+            raise NoInstances("no live instance")
+        return targets
+
+    def _candidates(
+        self,
+        targets: list[tuple[WorkerSpec, int]],
+        seqs: list[int],
+        overlaps: dict[tuple[int, int], int],
+    ) -> list[Candidate]:
+        loads = {(p.worker_id, p.dp_rank): p for p in self.sequences.project_loads(seqs)}
+        track_blocks = self.settings.track_active_blocks
+        n_blocks = len(seqs)
+        out: list[Candidate] = []
+        for worker, rank in targets:
+            key = (worker.worker_id, rank)
+            load = loads.get(key)
+            out.append(
+                Candidate(
+                    worker_id=worker.worker_id,
+                    dp_rank=rank,
+                    overlap_blocks=overlaps.get(key, 0),
+                    active_prefill_tokens=load.active_prefill_tokens if load else 0,
+                    active_decode_blocks=load.active_decode_blocks if load and track_blocks else 0,
+                    new_decode_blocks=(load.new_decode_blocks if load else n_blocks)
+                    if track_blocks
+                    else 0,
+                    active_requests=load.active_requests if load else 0,
+                    total_kv_blocks=worker.total_kv_blocks,
+                    max_num_batched_tokens=worker.max_num_batched_tokens,
+                )
+            )
+        return out

@@ -1,0 +1,146 @@
+"""The replay against the live stack (``dynamo serve`` + ``dynamo bench``) at speedup 1: the
+kv-routing workload of FACTS §12, and a ``dynamo plan`` pick that must meet its SLO live."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dynamo.bench import BenchConfig, run_benchmark
+from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.timing import prefill_ms
+from dynamo.replay.deployment import Deployment
+from dynamo.replay.plan import SLO, Sweep, plan
+from dynamo.replay.run import run_replay
+from tests.e2e.processes import Child
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ENGINE_FLAGS = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--speedup-ratio", "1"]
+ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16, speedup_ratio=1.0)
+KV_WORKLOAD: dict[str, Any] = {
+    "workload": "prefix",
+    "prefix_groups": 16,
+    "prefix_len": 1024,
+    "suffix_len": 128,
+    "osl": 32,
+    "concurrency": 32,
+    "num_requests": 320,
+}
+
+
+class LiveServe:
+    """``dynamo serve`` on an ephemeral port with ``workers`` mocker processes."""
+
+    def __init__(self, workers: int, router_mode: str, discovery_dir: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", DYN_FILE_KV=discovery_dir)
+        args = ["-m", "dynamo.serve", "--http-host", "127.0.0.1", "--http-port", "0"]
+        args += ["--workers", str(workers), "--router-mode", router_mode, *ENGINE_FLAGS]
+        self.child = Child(args, env)
+        line = self.child.wait_for_line("dynamo frontend: listening on http://", timeout=90)
+        self.url = f"http://127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+
+    def bench(self, **config: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {"api": "completions", "progress": False, "plots": False}
+        options.update(config)
+        result = asyncio.run(run_benchmark(BenchConfig(url=self.url, **options)))
+        return result.summary
+
+    def wait_for_workers(self, workers: int) -> None:
+        """Every worker serves: one request per worker at a time would otherwise hit one."""
+        for _ in range(300):
+            s = self.bench(workload="synthetic", isl=32, osl=2, num_requests=workers * 2,
+                           concurrency=workers)  # fmt: skip
+            if s["requests"]["failed"] == 0:
+                break
+        assert s["requests"]["failed"] == 0
+
+    def stop(self) -> None:
+        self.child.stop()
+
+
+@pytest.fixture
+def live_kv(discovery_dir: str) -> Iterator[LiveServe]:
+    serve = LiveServe(4, "kv", discovery_dir)
+    try:
+        serve.wait_for_workers(4)
+        yield serve
+    finally:
+        serve.stop()
+
+
+def _close(live: float, replay: float, rel: float) -> bool:
+    return abs(live - replay) <= rel * abs(live)
+
+
+def _contended() -> bool:
+    """More runnable work than cores (other test runs, CI neighbours): live mocker processes
+    then fall behind the model's pace, which the replay by design does not."""
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
+    # The frontend's own share of TTFT, measured on the idle stack: one request's TTFT minus
+    # the model's prefill time for it.
+    probe = live_kv.bench(workload="synthetic", isl=64, osl=2, num_requests=5, seed=99)
+    overhead_ms = probe["ttft_ms"]["p50"] - prefill_ms(64)
+    live = live_kv.bench(**KV_WORKLOAD)
+    replay = run_replay(
+        BenchConfig(url="replay:", **KV_WORKLOAD), Deployment(4, "kv", engine=ENGINE)
+    )
+    sim = replay.summary
+    report = (
+        f"live hit {live['cache_hit_rate']:.3f} itl {live['itl_ms']['mean']:.2f} "
+        f"ttft p50 {live['ttft_ms']['p50']:.1f} | replay hit {sim['cache_hit_rate']:.3f} "
+        f"itl {sim['itl_ms']['mean']:.2f} ttft p50 {sim['ttft_ms']['p50']:.1f} | "
+        f"overhead {overhead_ms:.1f} ms"
+    )
+    # The issue's bounds (5 %) on a machine with a core to spare; 3x that when oversubscribed.
+    slack = 3.0 if _contended() else 1.0
+    report += f" | contended {slack > 1}"
+    print(report)  # the figures, for docs/performance.md (pytest -s)
+    assert live["requests"]["failed"] == 0, report
+    assert _close(live["cache_hit_rate"], sim["cache_hit_rate"], 0.05 * slack), report
+    assert _close(live["itl_ms"]["mean"], sim["itl_ms"]["mean"], 0.05 * slack), report
+    gap = live["ttft_ms"]["p50"] - sim["ttft_ms"]["p50"]
+    # Under load the frontend queues as well: its idle overhead per request arriving in one of
+    # a worker's passes (32 requests in flight over 4 workers: ~8 per pass), at least the 25 ms
+    # FACTS §12 measured on the reference.
+    assert -0.05 * sim["ttft_ms"]["p50"] <= gap <= slack * max(8 * overhead_ms, 25.0), report
+
+
+# Prompts of 68 KV blocks with their output: 7 fit one worker's 512 blocks, so 28 in flight
+# queue for seconds on fewer than 4 workers and not at all on 4.
+PLAN_WORKLOAD: dict[str, Any] = {
+    "workload": "synthetic",
+    "isl": 1024,
+    "osl": 64,
+    "concurrency": 28,
+    "num_requests": 84,
+}
+
+
+def test_plan_pick_meets_the_slo_live(discovery_dir: str) -> None:
+    """A TTFT target that fewer workers miss in the replay: the plan picks the cheapest that
+    meets it, and that deployment, served for real, meets the SLO (planned with 25 % headroom
+    for the frontend, the transport and a busy host, which the replay does not model)."""
+    slo = SLO(ttft_ms=1000.0, itl_ms=60.0, headroom=0.25)
+    bench = BenchConfig(url="replay:", **PLAN_WORKLOAD)
+    result = plan(bench, Deployment(engine=ENGINE), slo, Sweep(workers=(1, 2, 4)))
+    assert [o.meets_slo for o in result.outcomes] == [False, False, True]
+    best = result.best
+    assert best is not None and best.deployment.workers == 4
+    serve = LiveServe(best.deployment.workers, best.deployment.router_mode, discovery_dir)
+    try:
+        serve.wait_for_workers(best.deployment.workers)
+        live = serve.bench(**PLAN_WORKLOAD)
+    finally:
+        serve.stop()
+    report = f"live ttft p90 {live['ttft_ms']['p90']:.1f} itl p90 {live['itl_ms']['p90']:.1f}"
+    assert live["requests"]["failed"] == 0, report
+    assert live["ttft_ms"]["p90"] <= slo.ttft_ms, report
+    assert live["itl_ms"]["p90"] <= slo.itl_ms, report
