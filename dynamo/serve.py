@@ -1,8 +1,9 @@
 """``dynamo serve``: the one-command stack on this machine.
 
-Starts the frontend and N mocker workers as child processes sharing a temporary file-discovery
-directory, with the TCP request plane and the ZMQ event plane on 127.0.0.1, serving the demo model
-that ships in the package (or ``--model-path``). Every frontend and mocker flag is accepted and
+Starts the frontend and N workers (``--engine mocker``, the default, or ``pytorch``) as child
+processes sharing a temporary file-discovery directory, with the TCP request plane and the ZMQ
+event plane on 127.0.0.1, serving the demo model that ships in the package (or ``--model-path``;
+the pytorch engine needs one with weights). Every frontend and engine flag is accepted and
 passed to its process (``serve_args.py``; ``--help`` shows the groups); an unknown or invalid flag
 fails before anything starts. Ctrl-C or SIGTERM stops every child cleanly. ``--in-process`` runs
 the same stack in one process (memory discovery, in-process planes).
@@ -51,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     return _serve_processes(serve_plan)
 
 
-def _describe_workers(roles: tuple[str, ...]) -> str:
+def _describe_workers(roles: tuple[str, ...], engine: str) -> str:
     prefill, decode = roles.count("prefill"), roles.count("decode")
     if decode:
-        return f"{prefill} prefill + {decode} decode mocker workers"
-    return f"{len(roles)} mocker workers"
+        return f"{prefill} prefill + {decode} decode {engine} workers"
+    return f"{len(roles)} {engine} workers"
 
 
 def _free_port(host: str) -> int:
@@ -96,14 +97,14 @@ def _serve_processes(serve_plan: ServePlan) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         for role in serve_plan.roles:
-            cmd = [py, "-m", "dynamo.mocker", *serve_plan.worker_argv(role)]
+            cmd = [py, "-m", serve_plan.worker_module, *serve_plan.worker_argv(role)]
             children.append(subprocess.Popen(cmd, env=env))
         frontend_cmd = [py, "-m", "dynamo.frontend", *frontend_argv]
         children.append(subprocess.Popen(frontend_cmd, env=env))
         print(
             f"dynamo serve: model {args.model_name!r} at"
             f" http://{_shown_host(args.http_host)}:{args.http_port}"
-            f" ({_describe_workers(serve_plan.roles)}, router {args.router_mode})",
+            f" ({_describe_workers(serve_plan.roles, args.engine)}, router {args.router_mode})",
             flush=True,
         )
         print(

@@ -1,11 +1,13 @@
 """``dynamo serve``'s command line: its own flags plus every frontend and worker flag, grouped by
 the process it goes to, all validated before anything starts.
 
-The frontend's and the mocker's flags are taken from their own parsers (so a flag added there
-appears here with its help and ``DYN_*`` twin), minus the ones ``dynamo serve`` decides itself
-(the runtime group: namespace, discovery, planes; and the flags it sets from its own: HTTP address,
-router mode, model). A flag both processes know (``--log-level``) goes to both. An unknown flag is
-an error, as is a value either process's config refuses (checked here by building the configs).
+``--engine`` picks the workers' engine (``mocker``, the default, or ``pytorch``); it is read
+first, because the worker flags are that engine's. The frontend's and the engine's flags are taken
+from their own parsers (so a flag added there appears here with its help and ``DYN_*`` twin),
+minus the ones ``dynamo serve`` decides itself (the runtime group: namespace, discovery, planes;
+and the flags it sets from its own: HTTP address, router mode, model, role). A flag both
+processes know (``--log-level``) goes to both. An unknown flag is an error, as is a value either
+process's config refuses (checked here by building the configs).
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ import copy
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo.frontend.config import ROUTER_MODES, FrontendConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.runtime.config import add_flag
 
+if TYPE_CHECKING:
+    from dynamo.pytorch.config import TorchEngineConfig
+
 DEMO_MODEL_NAME = "demo"
 
 # Flags ``dynamo serve`` owns: a child's flag of the same name is set from serve's value.
 _FRONTEND_FROM_SERVE = ("--http-host", "--http-port", "--router-mode")
-_MOCKER_FROM_SERVE = ("--model-path", "--model-name", "--disaggregation-mode")
+_WORKER_FROM_SERVE = ("--model-path", "--model-name", "--disaggregation-mode")
+ENGINES = ("mocker", "pytorch")
+"""Worker engines, each served by ``python -m dynamo.<engine>``."""
 _RUNTIME_GROUP = "runtime"  # namespace, discovery and planes: serve wires those itself
 
 FRONTEND, WORKERS, BOTH = "frontend", "workers", "both"
 _GROUP_TITLES = {
     BOTH: "frontend and workers (passed to every process)",
     FRONTEND: "frontend (passed to the frontend process)",
-    WORKERS: "workers (passed to every mocker worker process)",
+    WORKERS: "workers (passed to every worker process)",
 }
 
 
@@ -43,17 +50,26 @@ class ServePlan:
 
     args: argparse.Namespace
     frontend_argv: list[str]
-    mocker_argv: list[str]
+    engine_argv: list[str]
     frontend: FrontendConfig
-    mocker: MockerConfig
+    engine_config: MockerConfig | TorchEngineConfig
     roles: tuple[str, ...] = ("agg",)
+
+    @property
+    def worker_module(self) -> str:
+        """What ``python -m`` runs for each worker."""
+        return f"dynamo.{self.args.engine}"
 
     def worker_argv(self, role: str) -> list[str]:
         """The argv of one worker process of ``role`` (agg, prefill or decode)."""
-        return [*self.mocker_argv, f"--disaggregation-mode={role}"]
+        if isinstance(self.engine_config, MockerConfig):
+            return [*self.engine_argv, f"--disaggregation-mode={role}"]
+        return list(self.engine_argv)  # aggregated only (checked by ``plan``)
 
-    def worker_config(self, role: str) -> MockerConfig:
-        return dataclasses.replace(self.mocker, disaggregation_mode=role)
+    def worker_config(self, role: str) -> MockerConfig | TorchEngineConfig:
+        if isinstance(self.engine_config, MockerConfig):
+            return dataclasses.replace(self.engine_config, disaggregation_mode=role)
+        return self.engine_config
 
 
 def _frontend_parser() -> argparse.ArgumentParser:
@@ -62,10 +78,54 @@ def _frontend_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-def _mocker_parser() -> argparse.ArgumentParser:
+def _worker_parser(engine: str) -> argparse.ArgumentParser:
+    if engine == "pytorch":
+        try:
+            from dynamo.pytorch.__main__ import build_parser as torch_parser
+        except ImportError as exc:  # the extra is not installed
+            raise SystemExit(
+                f"dynamo serve: --engine pytorch needs the pytorch extra (dynamo-py[pytorch]): "
+                f"{exc}"
+            ) from exc
+        return torch_parser()
     from dynamo.mocker.__main__ import build_parser
 
     return build_parser()
+
+
+def _worker_config(engine: str, args: argparse.Namespace) -> MockerConfig | TorchEngineConfig:
+    """The config a worker builds from ``args`` (``ValueError``/``OSError`` if refused)."""
+    if engine == "pytorch":
+        from dynamo.pytorch.config import TorchEngineConfig
+        from dynamo.pytorch.model import weight_files
+        from dynamo.pytorch.model_config import ModelConfig
+
+        config = TorchEngineConfig.from_args(args)
+        ModelConfig.from_model_dir(config.model_path)  # an architecture the engine runs
+        weight_files(config.model_path)
+        return config
+    from dynamo.mocker.__main__ import mocker_config
+
+    return mocker_config(args)
+
+
+def _add_engine_flag(parser: Any) -> None:
+    add_flag(
+        parser,
+        "--engine",
+        default="mocker",
+        choices=ENGINES,
+        env="DYN_SERVE_ENGINE",
+        help="the workers' engine: mocker (simulated) or pytorch (a real model; --model-path)",
+    )
+
+
+def _engine_of(argv: list[str] | None) -> str:
+    """``--engine`` alone (the other flags depend on it); a bad value fails here."""
+    pre = argparse.ArgumentParser("dynamo serve", add_help=False, allow_abbrev=False)
+    _add_engine_flag(pre)
+    known, _ = pre.parse_known_args(argv)
+    return str(known.engine)
 
 
 def _child_actions(
@@ -86,15 +146,17 @@ def _child_actions(
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The serve parser, with one argument group per destination process."""
+def build_parser(engine: str = "mocker") -> argparse.ArgumentParser:
+    """The serve parser for workers of ``engine``, with one argument group per destination
+    process."""
     parser = argparse.ArgumentParser(
         "dynamo serve",
-        description="frontend + N mocker workers on this machine. Each group below says which "
+        description="frontend + N workers on this machine. Each group below says which "
         "process its flags go to; an unknown flag is an error.",
         allow_abbrev=False,
     )
     own = parser.add_argument_group("dynamo serve")
+    _add_engine_flag(own)
     add_flag(own, "--http-host", default="0.0.0.0", help="frontend listen address")
     add_flag(own, "--http-port", default=8000, type=int, help="frontend port (0: any free port)")
     add_flag(
@@ -103,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         type=int,
         env="DYN_SERVE_WORKERS",
-        help="mocker worker processes",
+        help="worker processes",
     )
     add_flag(
         own,
@@ -134,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         own,
         "--model-path",
         default=None,
-        help="model directory (default: the demo model that ships in the package)",
+        help="model directory (default, mocker only: the demo model that ships in the package)",
     )
     add_flag(
         own,
@@ -152,12 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run everything in one process",
     )
     frontend = _child_actions(_frontend_parser(), _FRONTEND_FROM_SERVE)
-    mocker = _child_actions(_mocker_parser(), _MOCKER_FROM_SERVE)
+    worker = _child_actions(_worker_parser(engine), _WORKER_FROM_SERVE)
     groups = {name: parser.add_argument_group(title) for name, title in _GROUP_TITLES.items()}
-    for flag, action in {**frontend, **mocker}.items():
+    for flag, action in {**frontend, **worker}.items():
         where = (
             BOTH
-            if flag in frontend and flag in mocker
+            if flag in frontend and flag in worker
             else FRONTEND
             if flag in frontend
             else WORKERS
@@ -213,7 +275,8 @@ def _forwarded(parser: argparse.ArgumentParser, args: argparse.Namespace, where:
 
 def plan(argv: list[str] | None = None) -> ServePlan:
     """Parse and validate everything; exits with status 2 and a message on any bad flag."""
-    parser = build_parser()
+    engine = _engine_of(argv)
+    parser = build_parser(engine)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
@@ -221,12 +284,16 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         parser.error("--prefill-workers and --decode-workers must be >= 0")
     if args.prefill_workers and not args.decode_workers:
         parser.error("--prefill-workers needs --decode-workers (decode workers serve the model)")
+    if engine != "mocker" and args.decode_workers:
+        parser.error(f"--engine {engine} serves aggregated workers only (--workers)")
     roles = (
         ("prefill",) * args.prefill_workers + ("decode",) * args.decode_workers
         if args.decode_workers
         else ("agg",) * args.workers
     )
     if args.model_path is None:
+        if engine != "mocker":
+            parser.error(f"--engine {engine} needs --model-path (a Hugging Face model directory)")
         from dynamo.serve import DEMO_MODEL_PATH
 
         args.model_path = DEMO_MODEL_PATH
@@ -236,7 +303,7 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         f"--router-mode={args.router_mode}",
         *_forwarded(parser, args, FRONTEND),
     ]
-    mocker_argv = [
+    engine_argv = [
         f"--model-path={args.model_path}",
         f"--model-name={args.model_name}",
         *_forwarded(parser, args, WORKERS),
@@ -244,18 +311,16 @@ def plan(argv: list[str] | None = None) -> ServePlan:
     try:
         fargs = _frontend_parser().parse_args(frontend_argv)
         frontend = FrontendConfig.from_args(fargs)
-        from dynamo.mocker.__main__ import mocker_config
-
-        margs = _mocker_parser().parse_args(mocker_argv)
-        mocker = mocker_config(margs)
+        wargs = _worker_parser(engine).parse_args(engine_argv)
+        engine_config = _worker_config(engine, wargs)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if margs.system_port and len(roles) > 1 and not args.in_process:
+    if wargs.system_port and len(roles) > 1 and not args.in_process:
         parser.error(
-            f"--system-port {margs.system_port} (or DYN_SYSTEM_PORT) would be the same port for"
+            f"--system-port {wargs.system_port} (or DYN_SYSTEM_PORT) would be the same port for"
             f" all {len(roles)} workers; use --system-port 0 (each picks a free port)"
         )
     frontend = dataclasses.replace(
         frontend, runtime=dataclasses.replace(frontend.runtime, namespace=args.namespace)
     )
-    return ServePlan(args, frontend_argv, mocker_argv, frontend, mocker, roles)
+    return ServePlan(args, frontend_argv, engine_argv, frontend, engine_config, roles)

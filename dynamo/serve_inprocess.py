@@ -1,4 +1,4 @@
-"""``dynamo serve --in-process``: frontend and mocker workers in one process.
+"""``dynamo serve --in-process``: frontend and workers (mocker or pytorch) in one process.
 
 They share an :class:`InProcessHub` (memory discovery, in-process request and event planes), so
 nothing is bound but the HTTP port.
@@ -9,15 +9,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+from typing import TYPE_CHECKING
 
 from dynamo.backend.run import configure_logging, run_async
+from dynamo.backend.worker import Worker
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
-from dynamo.mocker.__main__ import build_worker
 from dynamo.mocker.config import MockerConfig
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
 from dynamo.serve_args import ServePlan
+
+if TYPE_CHECKING:
+    from dynamo.pytorch.config import TorchEngineConfig
 
 
 def serve_in_process(serve_plan: ServePlan) -> int:
@@ -35,9 +39,21 @@ def serve_in_process(serve_plan: ServePlan) -> int:
     return 0
 
 
+def _build_worker(
+    config: MockerConfig | TorchEngineConfig, runtime_config: RuntimeConfig, hub: InProcessHub
+) -> Worker:
+    if isinstance(config, MockerConfig):
+        from dynamo.mocker.__main__ import build_worker as mocker_worker
+
+        return mocker_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
+    from dynamo.pytorch.__main__ import build_worker as torch_worker
+
+    return torch_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
+
+
 async def _serve(
     frontend_config: FrontendConfig,
-    configs: list[MockerConfig],
+    configs: list[MockerConfig | TorchEngineConfig],
     runtime_config: RuntimeConfig,
 ) -> None:
     hub = InProcessHub()
@@ -45,10 +61,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker_objs = [
-        build_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
-        for config in configs
-    ]
+    worker_objs = [_build_worker(config, runtime_config, hub) for config in configs]
     tasks = [asyncio.create_task(w.run(), name=f"worker-{i}") for i, w in enumerate(worker_objs)]
     frontend = FrontendService(frontend_config, hub=hub)
     try:

@@ -135,14 +135,23 @@ def build_served_worker(
 
 
 def serve_engine(
-    engine_factory: EngineFactory, spec: WorkerSpec, args: argparse.Namespace, *, name: str
+    engine_factory: EngineFactory,
+    spec: WorkerSpec,
+    args: argparse.Namespace,
+    *,
+    name: str,
+    on_worker: Callable[[Worker], None] | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT; ``args`` holds :func:`add_worker_arguments`' flags. Returns
-    the process exit status (2: a configuration error, reported on stderr as ``name: ...``)."""
+    """Serve until SIGTERM/SIGINT; ``args`` holds :func:`add_worker_arguments`' flags.
+    ``on_worker`` sees the built worker before it runs (e.g. to register the engine's own
+    metrics). Returns the process exit status (2: a configuration error, reported on stderr as
+    ``name: ...``)."""
     options = ServeOptions.from_args(args)
     configure_logging(options.log_level)
     try:
         worker = build_served_worker(engine_factory, spec, RuntimeConfig.from_args(args), options)
+        if on_worker is not None:
+            on_worker(worker)
     except (ValueError, OSError) as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2

@@ -131,16 +131,22 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. False if unknown (already done)."""
+        return self.finish(request_id, FinishReason.CANCELLED) is not None
+
+    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
+        """End a request now with ``reason`` (an abort, or an engine's own stop rule such as a
+        completed grammar) and free its blocks; its freed blocks' events come with the next
+        ``drain_events``. None if unknown (already finished)."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            return False
+            return None
         if seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)
         else:
             self._running.remove(seq)
             self._free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.CANCELLED
-        return True
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return seq
 
     # -- the pass ---------------------------------------------------------------------------
     def transfer_seconds(self, num_prompt_tokens: int) -> float:

@@ -65,9 +65,6 @@ class TorchEngineConfig:
     def served_model_name(self) -> str:
         return self.model_name or self.model_path
 
-    def endpoint_for(self, namespace: str) -> str:
-        return self.endpoint or f"dyn://{namespace}.backend.generate"
-
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         d = TorchEngineConfig()

@@ -24,6 +24,7 @@ from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import GuidedDecodingOptions, PreprocessedRequest
 from dynamo.pytorch.collector import Collector
 from dynamo.pytorch.config import TorchEngineConfig
+from dynamo.pytorch.guided import decoder_for_model
 from dynamo.pytorch.kv_cache import KVBlocks
 from dynamo.pytorch.loader import LoadedModel, load_model
 from dynamo.pytorch.sampler import (
@@ -42,12 +43,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
 LoadSink = Callable[[WorkerLoad], Awaitable[None]]
-ConstraintFactory = Callable[[GuidedDecodingOptions], TokenConstraint]
-"""Builds a request's guided-decoding matcher (raises ``InvalidArgument`` for a bad spec)."""
+ConstraintFactory = Callable[[GuidedDecodingOptions], Awaitable[TokenConstraint]]
+"""Builds a request's guided-decoding matcher (raises ``InvalidArgument`` for a bad spec);
+awaited on the event loop, so a slow compile must run in a worker thread."""
 
 
 class TorchEngine(LLMEngine):
-    """See ``LLMEngine`` for the lifecycle. ``constraint_factory`` enables guided decoding."""
+    """See ``LLMEngine`` for the lifecycle. Guided decoding uses ``constraint_factory`` when
+    given, else llguidance matchers compiled for the model's tokenizer at start (when
+    llguidance can read that tokenizer; otherwise guided requests are refused and the card
+    does not advertise them)."""
 
     def __init__(
         self,
@@ -80,6 +85,10 @@ class TorchEngine(LLMEngine):
         self.worker_id = worker_id
         self._loop = asyncio.get_running_loop()
         loaded = self.loaded = await asyncio.to_thread(load_model, self.config)
+        if self.constraint_factory is None:
+            self.constraint_factory = await asyncio.to_thread(
+                _guided_factory, self.config.model_path, loaded
+            )
         scheduler = Scheduler(loaded.settings)
         thread = StepThread(scheduler, loaded.runner, self._report_threadsafe, worker_id=worker_id)
         thread.on_crash = self._crash_threadsafe
@@ -135,7 +144,13 @@ class TorchEngine(LLMEngine):
         if self._closed or thread is None or loaded is None:
             raise EngineShutdown("the pytorch engine is not running")
         key = f"{ctx.id}#{next(self._keys)}"
-        seq, sampler = self._build(request, key, ctx.id)
+        constraint = None
+        guided = request.sampling.guided_decoding
+        if guided is not None:
+            if self.constraint_factory is None:
+                raise InvalidArgument("guided decoding is not supported by this engine")
+            constraint = await self.constraint_factory(guided)
+        seq, sampler = self._build(request, key, ctx.id, constraint)
         col = Collector(logprobs=sampler.params.logprobs is not None)
         self._collectors[key] = col
         self._ctx_keys.setdefault(ctx.id, set()).add(key)
@@ -173,7 +188,11 @@ class TorchEngine(LLMEngine):
                 thread.submit(Abort(key))
 
     def _build(
-        self, request: PreprocessedRequest, key: str, ctx_id: str
+        self,
+        request: PreprocessedRequest,
+        key: str,
+        ctx_id: str,
+        constraint: TokenConstraint | None,
     ) -> tuple[Sequence, RequestSampler]:
         assert self.loaded is not None
         settings, vocab = self.loaded.settings, self.loaded.model.config.vocab_size
@@ -183,12 +202,6 @@ class TorchEngine(LLMEngine):
             settings, request, key, 0.0, seed_id=request.request_id or ctx_id
         )
         params = SamplingParams.from_request(request)
-        constraint = None
-        guided = request.sampling.guided_decoding
-        if guided is not None:
-            if self.constraint_factory is None:
-                raise InvalidArgument("guided decoding is not supported by this engine")
-            constraint = self.constraint_factory(guided)
         sampler = RequestSampler(
             params=params,
             generator=make_generator(seq.rng_state, self.loaded.model.device),
@@ -327,6 +340,19 @@ class TorchEngine(LLMEngine):
     async def check_invariants(self) -> None:
         """Run the scheduler's invariant checks on the step thread (tests)."""
         await self._call(lambda: self._scheduler().check_invariants())
+
+
+def _guided_factory(model_path: str, loaded: LoadedModel) -> ConstraintFactory | None:
+    """llguidance matchers for the loaded model's tokenizer, or None (logged) when llguidance
+    cannot read it. Blocking (tokenizer set-up): call it in a worker thread."""
+    try:
+        decoder = decoder_for_model(
+            model_path, loaded.model.config.vocab_size, loaded.settings.max_model_len
+        )
+    except (ValueError, OSError) as exc:
+        log.warning("guided decoding is off: %s", exc)
+        return None
+    return decoder.matcher_async
 
 
 def _usage(seq: Sequence, completion_tokens: int) -> Usage:

@@ -67,11 +67,12 @@ import tokenizers
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+from dynamo.preprocess.model_dir import load_model_dir
 from dynamo.preprocess.tokenizer import Tokenizer
 from dynamo.protocol.request import GuidedDecodingOptions
 from dynamo.runtime.errors import InvalidArgument
 
-__all__ = ["GuidedDecoder", "GuidedMatcher", "apply_token_bitmask_"]
+__all__ = ["GuidedDecoder", "GuidedMatcher", "apply_token_bitmask_", "decoder_for_model"]
 
 _BITS = 32
 _MAX_ERROR_CHARS = 500
@@ -388,6 +389,14 @@ class GuidedDecoder:
             )
         except ValueError as exc:
             raise InvalidArgument(f"invalid guided json schema: {_short(str(exc))}") from exc
+
+
+def decoder_for_model(model_path: str, vocab_size: int, context_length: int) -> GuidedDecoder:
+    """The decoder of a model directory: its ``tokenizer.json`` and EOS ids, ``vocab_size``
+    (the logits' width). ``ValueError``/``OSError`` when the directory or tokenizer cannot be
+    used. Blocking (reads files, sets llguidance's tokenizer up): not on an event loop."""
+    model = load_model_dir(model_path, context_length=context_length)
+    return GuidedDecoder(model.tokenizer, vocab_size, model.eos_token_ids)
 
 
 def _key(options: GuidedDecodingOptions) -> bytes:

@@ -187,20 +187,24 @@ def _scaled_inv_freq(inv_freq: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory: ``*.safetensors`` if any, else ``*.bin``."""
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint files of a directory: ``*.safetensors`` if any, else ``*.bin``.
+    ``ValueError`` when there are none."""
     root = Path(model_dir)
-    files = sorted(root.glob("*.safetensors"))
-    weights: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
+    files = sorted(root.glob("*.safetensors")) or sorted(root.glob("*.bin"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors or *.bin weights")
+    return files
 
-        for f in files:
+
+def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (:func:`weight_files`)."""
+    weights: dict[str, torch.Tensor] = {}
+    for f in weight_files(model_dir):
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
             weights.update(load_file(str(f)))
-    else:
-        bins = sorted(root.glob("*.bin"))
-        if not bins:
-            raise ValueError(f"{model_dir} has no *.safetensors or *.bin weights")
-        for f in bins:
+        else:
             weights.update(torch.load(str(f), map_location="cpu", weights_only=True))
     return weights

@@ -24,11 +24,15 @@ T = TypeVar("T")
 class TokenConstraint(Protocol):
     """Per-request logits processor (the guided-decoding seam): ``mask_logits`` is called with
     the request's float32 logits row before sampling and must set disallowed ids to ``-inf``
-    in place; ``accept_token`` is called with every token the request emits, in order."""
+    in place; ``accept_token`` is called with every token the request emits, in order (its
+    result is ignored); once ``is_terminated`` is true nothing may follow and the engine ends
+    the request with finish reason ``stop``."""
 
     def mask_logits(self, logits: torch.Tensor) -> None: ...
 
-    def accept_token(self, token_id: int) -> None: ...
+    def accept_token(self, token_id: int) -> object: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 @dataclass(slots=True)

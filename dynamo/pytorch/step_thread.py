@@ -25,7 +25,7 @@ from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
-from dynamo.protocol.output import TopLogprob
+from dynamo.protocol.output import FinishReason, TopLogprob
 from dynamo.pytorch.runner import ModelRunner
 from dynamo.pytorch.sampler import RequestSampler
 
@@ -181,17 +181,26 @@ class StepThread:
             return
         sampled = self.runner.run(batch, sched.kv, self._samplers)
         tokens = [s.token if s is not None else None for s in sampled]
+        completed: list[str] = []  # guided requests whose grammar allows nothing more
         for (seq, _), s in zip(batch.entries, sampled, strict=True):
             if s is None:
                 continue
             sampler = self._samplers[seq.request_id]
             if sampler.constraint is not None:
                 sampler.constraint.accept_token(s.token)
+                if sampler.constraint.is_terminated():
+                    completed.append(seq.request_id)
             out = TokenOutput(seq.request_id, s.token, s.logprob, s.top)
             if sampler.prompt_logprobs is not None and not sampler.prompt_logprobs_sent:
                 out.prompt_logprobs, sampler.prompt_logprobs_sent = sampler.prompt_logprobs, True
             report.outputs.append(out)
         result = sched.update(batch, tokens)
+        if completed:  # after update: the last token is part of the output
+            for request_id in completed:
+                done = sched.finish(request_id, FinishReason.STOP)  # None: update ended it
+                if done is not None:
+                    result.finished.append(done)
+            result.events.extend(sched.kv.drain_events())
         for seq in result.finished:
             self._samplers.pop(seq.request_id, None)
             self.stats.num_prompt_tokens += seq.num_prompt_tokens

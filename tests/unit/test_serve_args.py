@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,17 +55,17 @@ def test_each_flag_goes_to_its_process() -> None:
     assert "--max-inflight-requests=8" in p.frontend_argv
     assert "--no-router-kv-events" in p.frontend_argv
     assert "--router-mode=kv" in p.frontend_argv and "--http-port=0" in p.frontend_argv
-    assert "--speedup-ratio=2.0" in p.mocker_argv
-    assert "--no-enable-prefix-caching" in p.mocker_argv and "--model-name=m" in p.mocker_argv
-    assert "--log-level=DEBUG" in p.frontend_argv and "--log-level=DEBUG" in p.mocker_argv
-    assert not any("inflight" in a or "router" in a for a in p.mocker_argv)
+    assert "--speedup-ratio=2.0" in p.engine_argv
+    assert "--no-enable-prefix-caching" in p.engine_argv and "--model-name=m" in p.engine_argv
+    assert "--log-level=DEBUG" in p.frontend_argv and "--log-level=DEBUG" in p.engine_argv
+    assert not any("inflight" in a or "router" in a for a in p.engine_argv)
     assert not any("speedup" in a or "prefix" in a for a in p.frontend_argv)
     # The configs the children will build from those argvs.
     assert (p.frontend.max_inflight, p.frontend.overload_status) == (8, 503)
     assert p.frontend.kv.use_kv_events is False and p.frontend.router_mode == "kv"
-    assert p.mocker.speedup_ratio == 2.0 and p.mocker.enable_prefix_caching is False
+    assert p.engine_config.speedup_ratio == 2.0 and p.engine_config.enable_prefix_caching is False
     # Flags not given are not passed (the children read the same DYN_* environment).
-    assert not any(a.startswith("--block-size") for a in p.mocker_argv)
+    assert not any(a.startswith("--block-size") for a in p.engine_argv)
 
 
 def test_serve_flags_have_env_twins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,12 +81,12 @@ def test_help_groups_flags_by_process() -> None:
             "dynamo serve:",
             "frontend and workers (passed to every process):",
             "frontend (passed to the frontend process):",
-            "workers (passed to every mocker worker process):",
+            "workers (passed to every worker process):",
         )
     }
     order = sorted(sections.values())
     frontend_at = sections["frontend (passed to the frontend process):"]
-    workers_at = sections["workers (passed to every mocker worker process):"]
+    workers_at = sections["workers (passed to every worker process):"]
 
     def section_of(flag: str) -> int:
         at = text.index(f"\n  {flag}")
@@ -102,7 +103,7 @@ def test_serve_help_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
     assert exit_info.value.code == 0
-    assert "workers (passed to every mocker worker process)" in capsys.readouterr().out
+    assert "workers (passed to every worker process)" in capsys.readouterr().out
     assert sys.modules["dynamo.serve"] is serve
 
 
@@ -146,4 +147,44 @@ def test_bad_disaggregation_flags(
 ) -> None:
     with pytest.raises(SystemExit):
         serve.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_engine_pytorch_takes_the_pytorch_flags(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from dynamo.pytorch.config import TorchEngineConfig
+    from tests.tiny_models import build
+
+    model = build("llama", tmp_path)
+    p = plan(
+        ["--engine", "pytorch", "--model-path", str(model), "--kv-cache-memory", "16MiB"]
+        + ["--dtype", "bfloat16", "--router-mode", "kv", "--workers", "1"]
+    )
+    assert p.worker_module == "dynamo.pytorch" and p.roles == ("agg",)
+    argv = p.worker_argv("agg")
+    assert "--kv-cache-memory=16777216" in argv and "--dtype=bfloat16" in argv
+    assert not any("disaggregation" in a for a in argv)
+    config = p.worker_config("agg")
+    assert isinstance(config, TorchEngineConfig) and config.kv_cache_memory == 16 << 20
+    assert p.frontend.router_mode == "kv"
+    assert "--engine" in build_parser("pytorch").format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "pytorch"], "--engine pytorch needs --model-path"),
+        (["--engine", "pytorch", "--speedup-ratio", "2"], "unrecognized arguments"),
+        (["--engine", "vllm-ish"], "invalid choice"),
+        (["--engine", "pytorch", "--model-path", "dynamo/models/demo"], "or *.bin weights"),
+        (["--engine", "pytorch", "--decode-workers", "1"], "aggregated workers only"),
+    ],
+)
+def test_bad_engine_flags_fail_before_anything_starts(
+    no_children: None, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    pytest.importorskip("torch")
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(argv)
+    assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

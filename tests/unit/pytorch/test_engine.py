@@ -153,12 +153,13 @@ async def test_bad_requests_are_invalid_arguments(tiny_llama: Path) -> None:
             request_for(list(range(10)), 10_000),  # beyond the context length
             request_for([1, 2, 3], top_p=0.0),
             request_for([1, 2, 3], temperature=-1.0),
-            request_for([1, 2, 3], guided_decoding=GuidedDecodingOptions(regex="a+")),
+            request_for([1, 2, 3], guided_decoding=GuidedDecodingOptions(regex="(a")),
+            request_for([1, 2, 3], guided_decoding=GuidedDecodingOptions(choice=[])),
         ]
         for req in bad:
             with pytest.raises(InvalidArgument):
                 await run(eng, req)
-        assert eng.capabilities.logprobs and not eng.capabilities.guided_decoding
+        assert eng.capabilities.logprobs and eng.capabilities.guided_decoding
         await eng.check_invariants()
     finally:
         await eng.cleanup()
@@ -302,9 +303,12 @@ async def test_guided_decoding_seam(tiny_llama: Path) -> None:
         def accept_token(self, token_id: int) -> None:
             self.accepted.append(token_id)
 
+        def is_terminated(self) -> bool:
+            return False
+
     made: list[EvenTokens] = []
 
-    def factory(options: GuidedDecodingOptions) -> EvenTokens:
+    async def factory(options: GuidedDecodingOptions) -> EvenTokens:
         made.append(EvenTokens(options))
         return made[-1]
 
@@ -320,6 +324,29 @@ async def test_guided_decoding_seam(tiny_llama: Path) -> None:
         tokens = ids(await run(eng, req))
         assert len(tokens) == 10 and all(t % 2 == 0 for t in tokens)
         assert made[0].accepted == tokens
+    finally:
+        await eng.cleanup()
+
+
+async def test_guided_request_stops_when_its_grammar_is_complete(tiny_llama: Path) -> None:
+    """The model's own llguidance decoder: a choice ends the request as soon as it is complete
+    (finish reason stop, even with ignore_eos and room left); its blocks are freed."""
+    from dynamo.preprocess import load_model_dir
+
+    tokenizer = load_model_dir(tiny_llama).tokenizer
+    eng = engine(tiny_llama)
+    await eng.start(1)
+    try:
+        choices = ["Paris", "the lazy dog", "0 1 2"]
+        for seed in range(6):
+            req = request_for(list(range(5, 30)), 40, seed=seed, temperature=1.0)
+            req.sampling.guided_decoding = GuidedDecodingOptions(choice=choices)
+            chunks = await run(eng, req)
+            assert chunks[-1].finish_reason is FinishReason.STOP
+            assert tokenizer.decode(ids(chunks)) in choices
+        sched = eng.scheduler
+        assert sched is not None and sched.kv.num_active_blocks == 0
+        await eng.check_invariants()
     finally:
         await eng.cleanup()
 
