@@ -50,6 +50,7 @@ class ServeOptions:
     system_host: str = "0.0.0.0"
     system_port: int | None = None
     log_level: str = "INFO"
+    migration_limit: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -58,6 +59,7 @@ class ServeOptions:
             system_host=args.system_host,
             system_port=args.system_port,
             log_level=args.log_level,
+            migration_limit=args.migration_limit,
         )
 
 
@@ -88,6 +90,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="address of the status server",
     )
     add_flag(parser, "--log-level", default=d.log_level, help="logging level")
+    add_flag(
+        parser,
+        "--migration-limit",
+        default=d.migration_limit,
+        type=int,
+        help="advertised in the model card: times a frontend may move a request of this worker "
+        "to another when this one fails (a frontend's own --migration-limit overrides it)",
+    )
 
 
 def build_served_worker(
@@ -120,6 +130,7 @@ def build_served_worker(
         install_signal_handlers=install_signal_handlers,
         system_host=options.system_host,
         system_port=options.system_port,
+        migration_limit=options.migration_limit,
     )
     runtime = DistributedRuntime(runtime_config, hub)
     publisher = KVPublisher(runtime)

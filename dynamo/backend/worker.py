@@ -54,6 +54,7 @@ class WorkerConfig:
     system_host: str = "0.0.0.0"
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig.from_env)
+    migration_limit: int = 0  # advertised in the model card (request migration, frontend side)
 
     def endpoint_id(self) -> EndpointId:
         component = self.component or role_component(self.role)
@@ -274,6 +275,7 @@ class Worker:
             bootstrap_host=ec.bootstrap_host,
             bootstrap_port=ec.bootstrap_port,
             capabilities=ec.capabilities,
+            migration_limit=self.config.migration_limit,
         )
 
     async def _teardown(self) -> None:

@@ -49,8 +49,8 @@ class Sequence:
     block_size: int
     lora_name: str | None
     rng_state: int
-    """Per-request seed state: the mocker's token generator advances it; a real engine seeds
-    its sampler with it (the request's ``sampling.seed``, else derived from its id)."""
+    """Per-request seed (the request's ``sampling.seed``, else derived from its id): the
+    mocker's ids are a function of (seed, position); a real engine seeds its sampler with it."""
     stop_token_ids: frozenset[int]
     banned_token_ids: frozenset[int]
     """The request's EOS ids: the mocker never samples them (they are special tokens)."""

@@ -29,6 +29,7 @@ from dynamo.frontend.errors import HTTPError
 from dynamo.frontend.exchange import ClientDisconnected, StreamSink
 from dynamo.frontend.generate import GenerateHandler
 from dynamo.frontend.idle_reaper import IdleReaper, Peer, parse_peer
+from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.offload import Offload
 from dynamo.frontend.pipeline import ModelPipeline
@@ -172,12 +173,16 @@ class FrontendService:
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry)
+        self.migration = MigrationPolicy(
+            config.migration_limit, config.migration_max_seq_len, self.metrics
+        )
         self.disagg = Disaggregation(config.disagg, self.runtime, self.metrics)
         self.registry: ModelRegistry[ModelPipeline] = ModelRegistry(
             self.runtime,
             self._build_pipeline,
             router_factory=self._make_router,
             retention_s=config.model_retention_s,
+            probe_interval_s=config.instance_probe_interval_s,
             on_change=self._on_model_change,
         )
         self.generate = GenerateHandler(
@@ -188,6 +193,7 @@ class FrontendService:
             overload_status=config.overload_status,
             namespace=config.runtime.namespace,
             timeouts=Timeouts(config.first_response_timeout_s, config.inter_chunk_timeout_s),
+            migration=self.migration,
             keep_alive_s=config.sse_keep_alive_s,
             admission=Admission(config.admission_factor),
             offload=Offload(config.preprocess_threads, config.preprocess_queue),
@@ -231,6 +237,8 @@ class FrontendService:
             ns = card.namespace
             m.model_context_length.labels(entry.name, ns, role).set(card.context_length)
             m.model_kv_cache_block_size.labels(entry.name, ns, role).set(card.kv_block_size)
+            limit = self.migration.effective_limit(entry.migration_limit)
+            m.model_migration_limit.labels(entry.name, ns, role).set(limit)
             total = sum(c.total_kv_blocks or 0 for c in entry.cards.values())
             m.model_total_kv_blocks.labels(entry.name, ns, role).set(total)
             if card.max_num_seqs is not None:

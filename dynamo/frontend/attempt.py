@@ -7,8 +7,8 @@ attempts never see each other's placement). Its responses are bounded in time: t
 ``Timeouts.first_response_s``, each next within ``Timeouts.inter_chunk_s`` of asking for it, or
 the attempt ends with :class:`ResponseTimeout`.
 
-:func:`attempts` is the loop of attempts that serves one choice. Today it makes one; request
-migration (issue 13) retries there.
+:func:`attempts` is the loop of attempts that serves one choice: instant failover (a failed
+instance leaves routing) and request migration (``migration.py``) happen there.
 """
 
 from __future__ import annotations
@@ -22,20 +22,26 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from dynamo.frontend.idle import IdleTimer
+from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy, is_instance_fault
 from dynamo.frontend.pipeline import ChoiceStats
 from dynamo.protocol.model_card import ModelCard, WorkerRole
-from dynamo.protocol.output import LLMEngineOutput
+from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints
 from dynamo.router.basic import Router, Selection
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import NoInstances, ResponseTimeout
+from dynamo.runtime.errors import DynamoError, NoInstances, ResponseTimeout
 
 if TYPE_CHECKING:
     from dynamo.frontend.model_registry import ModelEntry
     from dynamo.frontend.pipeline import ModelPipeline
 
 _request_encoder = msgspec.msgpack.Encoder()
+_OUTCOME = {
+    FinishReason.STOP: "success",
+    FinishReason.LENGTH: "success",
+    FinishReason.CANCELLED: "cancelled",
+}
 _output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
 
 
@@ -104,23 +110,88 @@ async def attempts(
     stats: ChoiceStats,
     loads: list[Load],
     timeouts: Timeouts,
+    policy: MigrationPolicy = NO_MIGRATION,
 ) -> AsyncGenerator[list[LLMEngineOutput], None]:
     """Serve one choice: yield its engine outputs, a batch (every chunk already received) at a
     time; the terminal chunk, when it comes, is the last one. Raises DynamoError on failure.
 
-    Every load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
+    The loop of attempts: an attempt that fails in a way that implicates its instance takes the
+    instance out of routing at once (``ModelEntry.report_down``, whatever the migration
+    policy); a migratable failure (``migration.py``) while the budget allows starts another
+    attempt, on another instance when there is one, continuing where the stream stopped. Every
+    load an attempt adds is appended to ``loads`` (and freed when the attempt ends).
 
     A disaggregated model (decode workers) first has its prompt prefilled on a prefill worker
-    when ``frontend/disagg.py`` decides so; the decode worker then resumes from the handoff.
-
-    This is the loop of attempts with one iteration. Migration (issue 13) goes here: on a
-    migratable error (CannotConnect, StreamIncomplete, Disconnected, ResponseTimeout,
-    EngineShutdown, WorkerShutdown) while ``ctx`` is live and the budget allows, start another
-    attempt on another instance with the tokens already yielded appended to the prompt.
+    when ``frontend/disagg.py`` decides so; the decode worker then resumes from the handoff. A
+    failure before the decode worker was sent the request (the remote prefill) does not take
+    the decode instance out of routing.
     """
+    migration = policy.start(entry.name, request, entry.migration_limit)
+    failure: DynamoError | None = None
+    avoid: int | None = None
+    outcome = "cancelled"
+    try:
+        while True:
+            current = migration.request
+            try:
+                live = candidates(entry)
+                if avoid is not None and len(live) > 1:
+                    live = [c for c in live if c.instance_id != avoid] or live
+                selection = entry.router.select(current, live)
+            except DynamoError:
+                if failure is not None:  # nowhere left to migrate to: the failure stands
+                    outcome = "failure"
+                    raise failure from None
+                raise
+            received = False
+            dispatched: list[bool] = []
+            attempt = _attempt(entry, current, selection, ctx, stats, loads, timeouts, dispatched)
+            try:
+                async for outs in attempt:
+                    received = True
+                    migration.record(outs)
+                    reason = outs[-1].finish_reason  # a terminal is always the last chunk
+                    if reason is not None:
+                        outcome = _OUTCOME.get(reason, "failure")
+                    yield outs
+                outcome = "success"
+                return
+            except DynamoError as exc:
+                if dispatched and is_instance_fault(exc):
+                    entry.report_down(selection.instance_id)
+                if not migration.retry(exc, ctx, received):
+                    outcome = "cancelled" if ctx.is_stopped() else "failure"
+                    raise
+                if migration.remaining_max_tokens == 0:
+                    # Every token arrived; only the terminal was lost.
+                    yield [LLMEngineOutput(token_ids=[], finish_reason=FinishReason.LENGTH)]
+                    outcome = "success"
+                    return
+                failure = exc
+                avoid = selection.instance_id
+            finally:
+                # Closed here, not left to the garbage collector: when our consumer stops
+                # early the attempt's stream and load must go now.
+                await attempt.aclose()
+    finally:
+        migration.finish(outcome)
+
+
+async def _attempt(
+    entry: ModelEntry[ModelPipeline],
+    request: PreprocessedRequest,
+    selection: Selection,
+    ctx: Context,
+    stats: ChoiceStats,
+    loads: list[Load],
+    timeouts: Timeouts,
+    dispatched: list[bool],
+) -> AsyncGenerator[list[LLMEngineOutput], None]:
+    """One attempt: stream ``request`` to the routed ``selection``, bounded by ``timeouts``
+    (after a remote prefill for a disaggregated model). ``dispatched`` gets an entry once the
+    request is sent to the selected instance."""
     router = entry.router
     role = entry.serving_role()
-    selection = router.select(request, candidates(entry))
     stats.selection = selection
     load = Load(router, request.request_id or ctx.id)
     loads.append(load)
@@ -133,6 +204,7 @@ async def attempts(
                 request = msgspec.structs.replace(request, prefill_result=handoff)
         stats.dispatched_at = time.monotonic()
         body = _request_encoder.encode(placed(request, selection))
+        dispatched.append(True)
         async for outs in transport(
             entry.clients[role], body, ctx, selection.instance_id, timeouts
         ):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from dynamo.frontend.attempt import Load, Timeouts, attempts
 from dynamo.frontend.logprobs import LogprobCollector
+from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy
 from dynamo.frontend.pipeline import ChoiceDelta, ChoiceStats, RunStats
 from dynamo.preprocess import Prepared
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
@@ -41,6 +42,7 @@ async def stream_choice(
     timeouts: Timeouts,
     *,
     want_token_ids: bool = False,
+    migration: MigrationPolicy = NO_MIGRATION,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     """One choice: its attempts' tokens, detokenized. Raises DynamoError on failure."""
     request = prepared.request
@@ -48,7 +50,7 @@ async def stream_choice(
     assert entry.pipeline is not None  # the registry hands out servable models only
     detok = entry.pipeline.preprocessor.detokenizer(prepared)
     lp = LogprobCollector.for_request(request)
-    outputs = attempts(entry, request, ctx, stats, loads, timeouts)
+    outputs = attempts(entry, request, ctx, stats, loads, timeouts, migration)
     first = True
     try:
         async for batch in outputs:
@@ -143,6 +145,7 @@ def run_choices(
     timeouts: Timeouts,
     *,
     want_token_ids: bool = False,
+    migration: MigrationPolicy = NO_MIGRATION,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     """All choices of one HTTP request, merged in arrival order (choice i = prepared[i])."""
     if len(prepared) == 1:  # the common case: the choice's own stream, no tasks, no queue
@@ -155,8 +158,9 @@ def run_choices(
             loads,
             timeouts,
             want_token_ids=want_token_ids,
+            migration=migration,
         )
-    return _merge_choices(entry, prepared, ctx, stats, loads, timeouts, want_token_ids)
+    return _merge_choices(entry, prepared, ctx, stats, loads, timeouts, want_token_ids, migration)
 
 
 async def _merge_choices(
@@ -167,6 +171,7 @@ async def _merge_choices(
     loads: list[Load],
     timeouts: Timeouts,
     want_token_ids: bool,
+    migration: MigrationPolicy,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
@@ -182,6 +187,7 @@ async def _merge_choices(
                 loads,
                 timeouts,
                 want_token_ids=want_token_ids,
+                migration=migration,
             ):
                 await queue.put(delta)
             await queue.put(None)

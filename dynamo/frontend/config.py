@@ -26,6 +26,9 @@ class FrontendConfig:
     first_response_timeout_s: float = 600.0
     inter_chunk_timeout_s: float = 300.0
     sse_keep_alive_s: float = 10.0
+    migration_limit: int | None = None  # None: each model's workers advertise theirs
+    migration_max_seq_len: int | None = None
+    instance_probe_interval_s: float = 1.0
     admission_factor: float = 2.0
     preprocess_threads: int = 2
     preprocess_queue: int = 16
@@ -48,6 +51,12 @@ class FrontendConfig:
         for name in ("first_response_timeout_s", "inter_chunk_timeout_s", "sse_keep_alive_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if self.migration_limit is not None and self.migration_limit < 0:
+            raise ValueError("the migration limit must be >= 0")
+        if self.migration_max_seq_len is not None and self.migration_max_seq_len < 1:
+            raise ValueError("the migration max sequence length must be >= 1")
+        if self.instance_probe_interval_s <= 0:
+            raise ValueError("the instance probe interval must be > 0")
 
     @property
     def body_limit_bytes(self) -> int:
@@ -124,6 +133,30 @@ class FrontendConfig:
         )
         add_flag(
             parser,
+            "--migration-limit",
+            default=d.migration_limit,
+            type=int,
+            help="times a request whose worker fails may continue on another worker "
+            "(0: never; unset: what each model's workers advertise)",
+        )
+        add_flag(
+            parser,
+            "--migration-max-seq-len",
+            default=d.migration_max_seq_len,
+            type=int,
+            help="a request whose prompt + generated tokens exceed this is not migrated "
+            "(unset: no limit)",
+        )
+        add_flag(
+            parser,
+            "--instance-probe-interval-secs",
+            default=d.instance_probe_interval_s,
+            type=float,
+            help="how often an instance taken out of routing after a failure is probed to "
+            "bring it back (also the probe's timeout)",
+        )
+        add_flag(
+            parser,
             "--admission-factor",
             default=d.admission_factor,
             type=float,
@@ -165,6 +198,9 @@ class FrontendConfig:
             first_response_timeout_s=args.first_response_timeout_secs,
             inter_chunk_timeout_s=args.inter_chunk_timeout_secs,
             sse_keep_alive_s=args.sse_keep_alive_secs,
+            migration_limit=args.migration_limit,
+            migration_max_seq_len=args.migration_max_seq_len,
+            instance_probe_interval_s=args.instance_probe_interval_secs,
             admission_factor=args.admission_factor,
             preprocess_threads=args.preprocess_threads,
             preprocess_queue=args.preprocess_queue,

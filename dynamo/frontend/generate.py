@@ -26,6 +26,7 @@ from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.keepalive import KeepAliveSink
 from dynamo.frontend.large_body import TooLong, decode, decode_checked
 from dynamo.frontend.logprobs import ResponseExtras, TokenLogprobs, response_extras
+from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.offload import PROCESS_ABOVE_BYTES, Offload
 from dynamo.frontend.pipeline import ChoiceDelta, ModelPipeline, RunStats
@@ -67,6 +68,7 @@ class GenerateHandler:
         overload_status: int,
         namespace: str = "dynamo",
         timeouts: Timeouts | None = None,
+        migration: MigrationPolicy | None = None,
         keep_alive_s: float = 0.0,
         admission: Admission | None = None,
         offload: Offload | None = None,
@@ -77,6 +79,7 @@ class GenerateHandler:
         self._body_limit = body_limit
         self._overload_status = overload_status
         self._timeouts = timeouts or Timeouts()
+        self._migration = migration or MigrationPolicy(metrics=metrics)
         self._keep_alive_s = keep_alive_s
         self.namespace = namespace
         self.draining = False
@@ -208,7 +211,14 @@ class GenerateHandler:
         assert stats is not None
         want_ids = wants(req, "token_ids")
         deltas = run_choices(
-            entry, prepared, ctx, stats, inflight.loads, self._timeouts, want_token_ids=want_ids
+            entry,
+            prepared,
+            ctx,
+            stats,
+            inflight.loads,
+            self._timeouts,
+            want_token_ids=want_ids,
+            migration=self._migration,
         )
         # Route and reach the worker before committing to 200: an error before the first
         # event is an HTTP error response (FACTS §10.2).
@@ -278,7 +288,14 @@ class GenerateHandler:
         token_ids: list[int] = []
         disconnect = _watch_disconnect(http, ctx)
         deltas = run_choices(
-            entry, prepared, ctx, stats, inflight.loads, self._timeouts, want_token_ids=want_ids
+            entry,
+            prepared,
+            ctx,
+            stats,
+            inflight.loads,
+            self._timeouts,
+            want_token_ids=want_ids,
+            migration=self._migration,
         )
         try:
             async for delta in deltas:

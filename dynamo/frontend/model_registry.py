@@ -74,6 +74,27 @@ class ModelEntry(Generic[P]):
             return WorkerRole.DECODE
         return WorkerRole.AGGREGATED
 
+    def report_down(self, instance_id: int) -> None:
+        """Instant failover: ``instance_id`` failed a stream; take it out of routing at once
+        (its endpoint client stops listing it until a probe succeeds, and the router of its
+        role forgets its load and index; the router re-learns it when it is a candidate
+        again)."""
+        card = self.cards.get(instance_id)
+        if card is None:
+            return
+        client = self.clients.get(card.role)
+        if client is not None and client.report_down(instance_id):
+            router = self.routers.get(card.role)
+            if router is not None:
+                router.remove_worker(instance_id)
+
+    @property
+    def migration_limit(self) -> int:
+        """What the model's serving workers advertise: the smallest of their limits (a request
+        may be migrated only as often as every worker it can land on agrees to)."""
+        limits = [c.migration_limit for c in self.cards_of(self.serving_role())]
+        return min(limits) if limits else 0
+
     @property
     def router(self) -> Router:
         """The router of the serving role (NoInstances when it has no worker)."""
@@ -97,9 +118,11 @@ class ModelRegistry(Generic[P]):
         *,
         router_factory: RouterFactory = _round_robin,
         retention_s: float = 60.0,
+        probe_interval_s: float = 1.0,
         on_change: Callable[[ModelEntry[P], bool], None] | None = None,
     ) -> None:
         self._runtime = runtime
+        self._probe_interval_s = probe_interval_s
         self._factory = pipeline_factory
         self._router_factory = router_factory
         self._retention_s = retention_s
@@ -232,7 +255,12 @@ class ModelRegistry(Generic[P]):
     async def _client_for(self, endpoint_id: EndpointId) -> EndpointClient:
         client = self._clients.get(endpoint_id)
         if client is None:
-            client = EndpointClient(endpoint_id, self._runtime.discovery, self._runtime.transport)
+            client = EndpointClient(
+                endpoint_id,
+                self._runtime.discovery,
+                self._runtime.transport,
+                probe_interval=self._probe_interval_s,
+            )
             await client.start()
             self._clients[endpoint_id] = client
         return client

@@ -123,6 +123,32 @@ class FrontendMetrics:
             ["model", "endpoint"],
             registry=r,
         )
+        # Request migration (FACTS §7): a retry on another instance after a migratable failure.
+        self.model_migration = Counter(
+            f"{p}_model_migration",
+            "Request migrations (new_request: failed before any response; ongoing_request: "
+            "failed mid-stream)",
+            ["model", "migration_type"],
+            registry=r,
+        )
+        self.model_migration_duration = Histogram(
+            f"{p}_model_migration_duration_seconds",
+            "From a request's first migration to its end",
+            ["outcome"],
+            registry=r,
+        )
+        self.model_migration_max_seq_len_exceeded = Counter(
+            f"{p}_model_migration_max_seq_len_exceeded",
+            "Requests no longer migratable: prompt + generated > DYN_MIGRATION_MAX_SEQ_LEN",
+            ["model"],
+            registry=r,
+        )
+        self.model_migration_limit = Gauge(
+            f"{p}_model_migration_limit",
+            "Migrations allowed per request",
+            ["model", "dynamo_namespace", "worker_type"],
+            registry=r,
+        )
         # Disaggregation (frontend/disagg.py)
         self.disagg_prefills = Counter(
             f"{p}_disagg_prefills",

@@ -54,3 +54,6 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     capabilities: EngineCapabilities = msgspec.field(default_factory=EngineCapabilities)
+    migration_limit: int = 0
+    """How many times a request to this worker may be migrated to another instance when its
+    stream fails (the worker's ``--migration-limit``; a frontend's own flag overrides it)."""

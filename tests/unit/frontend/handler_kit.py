@@ -62,6 +62,7 @@ class Script:
     hang_after: int | None = None
     release: asyncio.Event | None = None
     silent: bool = False  # on hang: ignore stop (a worker that stopped answering)
+    failing_streams: int | None = None  # only the first N streams fail/hang (None: all)
 
 
 class ScriptedWorker:
@@ -71,27 +72,46 @@ class ScriptedWorker:
         self.script = script
         self.ids = list(ids)
         self.sent: list[PreprocessedRequest] = []
+        self.targets: list[int] = []
         self.contexts: list[Context] = []
+        self.down: list[int] = []
         self.open_streams = 0
+        self._prompt_len: dict[str | None, int] = {}
 
     def instance_ids(self) -> list[int]:
-        return list(self.ids)
+        return [i for i in self.ids if i not in self.down]
+
+    def report_down(self, instance_id: int) -> bool:
+        if instance_id in self.down:
+            return False
+        self.down.append(instance_id)
+        return True
 
     def stream_batches(
         self, body: bytes, ctx: Context, *, instance_id: int
     ) -> AsyncGenerator[list[bytes], None]:
-        self.sent.append(_req_dec.decode(body))
+        request = _req_dec.decode(body)
+        self.sent.append(request)
+        self.targets.append(instance_id)
         self.contexts.append(ctx)
-        return self._run(ctx)
+        # A migrated request carries the tokens already sent in its prompt: continue after them.
+        first_len = self._prompt_len.setdefault(request.request_id, len(request.token_ids))
+        limit = self.script.failing_streams
+        failing = limit is None or len(self.sent) <= limit
+        return self._run(ctx, len(request.token_ids) - first_len, failing)
 
-    async def _run(self, ctx: Context) -> AsyncGenerator[list[bytes], None]:
+    async def _run(
+        self, ctx: Context, skip: int = 0, failing: bool = True
+    ) -> AsyncGenerator[list[bytes], None]:
         s = self.script
         self.open_streams += 1
         try:
             for i, tok in enumerate(s.tokens):
-                if s.fail is not None and i == s.fail_after:
+                if i < skip:
+                    continue
+                if failing and s.fail is not None and i == s.fail_after:
                     raise s.fail
-                if s.hang_after is not None and i == s.hang_after:
+                if failing and s.hang_after is not None and i == s.hang_after:
                     if s.release is not None:
                         await s.release.wait()
                     elif s.silent:
@@ -102,7 +122,7 @@ class ScriptedWorker:
                         return
                 await asyncio.sleep(0)
                 yield [_enc.encode(chunk.token(tok))]
-            if s.fail is not None and s.fail_after >= len(s.tokens):
+            if failing and s.fail is not None and s.fail_after >= len(s.tokens):
                 raise s.fail
             out: LLMEngineOutput = with_usage(chunk.length(), 10, len(s.tokens))
             yield [_enc.encode(out)]
