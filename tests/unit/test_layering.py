@@ -1,7 +1,7 @@
 """The import layering of ARCHITECTURE.md, checked on the source (no imports executed).
 
 protocol <- runtime <- {preprocess, router, backend, observability} <- engine_core (the shared
-scheduler and KV block manager) <- {frontend, mocker, pytorch, slot_tracker, bench}.
+scheduler and KV block manager) <- {frontend, mocker, pytorch, vllm, slot_tracker, bench}.
 ``protocol`` imports only the standard library and msgspec. ``engine_core`` imports only
 protocol, runtime and router; only ``pytorch`` imports torch. Nothing imports frontend, mocker
 or an engine package (except their own modules and the top-level CLI / serve composition
@@ -27,13 +27,14 @@ LEVEL = {
     "frontend": 4,
     "mocker": 4,
     "pytorch": 4,
+    "vllm": 4,
     "slot_tracker": 4,
     "bench": 4,
 }
 # Composition roots that may wire top-level packages together.
 ROOTS = {"cli", "serve", "serve_args", "serve_inprocess", "__main__", "replay"}
 # (``replay`` composes a deployment offline: the mocker, the routers, bench's workloads.)
-TOP = {"frontend", "mocker", "pytorch", "slot_tracker", "bench", "replay"}
+TOP = {"frontend", "mocker", "pytorch", "vllm", "slot_tracker", "bench", "replay"}
 
 
 def _imports(path: Path) -> list[str]:

@@ -1,0 +1,81 @@
+"""``python -m dynamo.vllm --model-path DIR [vLLM engine flags]``: serve a model with vLLM.
+
+Every vLLM engine flag (``AsyncEngineArgs``: ``--block-size``, ``--max-num-seqs``,
+``--dtype``, ...) is accepted as vLLM spells it; ours are the worker's (runtime, status server,
+``--endpoint``) and ``--kv-events-port``. The worker wiring is
+:mod:`dynamo.backend.serve_engine`, as for every engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dynamo.backend.kv_publisher import KVPublisher
+from dynamo.backend.serve_engine import (
+    EngineFactory,
+    WorkerSpec,
+    add_worker_arguments,
+    serve_engine,
+)
+from dynamo.runtime.config import add_flag
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser: argparse.ArgumentParser = FlexibleArgumentParser(
+        "dynamo vllm", description="vLLM's engine behind a dynamo worker", allow_abbrev=False
+    )
+    ours = parser.add_argument_group("dynamo vllm")
+    add_flag(ours, "--model-path", default=None, help="Hugging Face model directory (vLLM --model)")
+    add_flag(ours, "--model-name", default=None, help="served model name")
+    add_flag(ours, "--endpoint", default=None, help="dyn://namespace.component.endpoint")
+    add_flag(
+        ours,
+        "--kv-events",
+        default=True,
+        type=bool,
+        env="DYN_VLLM_KV_EVENTS",
+        help="bridge vLLM's KV events to the routers (sets vLLM's --kv-events-config)",
+    )
+    add_worker_arguments(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def vllm_engines(args: argparse.Namespace) -> tuple[EngineFactory, WorkerSpec]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from dynamo.vllm.engine import VllmEngine
+
+    model = args.model_path or args.model
+    if not model:
+        raise ValueError("--model-path is required")
+    args.model = model
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+
+    def factory(publisher: KVPublisher) -> VllmEngine:
+        return VllmEngine(
+            engine_args,
+            served_model_name=args.model_name,
+            kv_event_sink=publisher.publish_kv if args.kv_events else None,
+        )
+
+    spec = WorkerSpec(model_path=model, served_model_name=args.model_name, endpoint=args.endpoint)
+    return factory, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        factory, spec = vllm_engines(args)
+    except (ValueError, OSError) as exc:
+        print(f"dynamo vllm: {exc}", file=sys.stderr)
+        return 2
+    return serve_engine(factory, spec, args, name="dynamo vllm")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""``VllmEngine``: vLLM's ``AsyncLLM`` in this process behind ``LLMEngine`` (spec 000).
+
+vLLM runs its engine core in a child process of its own; this adapter maps our requests onto
+``SamplingParams`` (``sampling.py``), streams deltas (token ids only: stop strings are the
+frontend's), aborts vLLM's request when a stream ends early for any reason (its blocks are freed
+at once), and bridges vLLM's ZMQ KV events into our event plane with our block hashes
+(``kv_bridge.py``) so KV routing works on vLLM workers as on ours.
+
+vLLM is imported only here and in ``__main__`` (the ``vllm`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.protocol.kv_events import KVEventBatch
+from dynamo.protocol.model_card import EngineCapabilities
+from dynamo.protocol.output import FinishReason, LLMEngineOutput, TopLogprob, Usage
+from dynamo.protocol.request import PreprocessedRequest
+from dynamo.runtime.context import Context
+from dynamo.runtime.errors import EngineShutdown, InvalidArgument
+from dynamo.vllm.kv_bridge import KVEventBridge, decode_batch
+from dynamo.vllm.sampling import MAX_LOGPROBS, sampling_kwargs
+
+log = logging.getLogger(__name__)
+
+KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
+
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+}
+
+
+class VllmEngine(LLMEngine):
+    """``engine_args``: vLLM's ``AsyncEngineArgs`` (its own flags, parsed by ``__main__``).
+    With a ``kv_event_sink``, the engine binds a SUB socket on 127.0.0.1 (a free port) and sets
+    vLLM's ``kv_events_config`` so that its publisher connects there (a bound port: no race for
+    a free one); without a sink vLLM publishes no KV events."""
+
+    def __init__(
+        self,
+        engine_args: Any,
+        *,
+        served_model_name: str | None = None,
+        kv_event_sink: KVEventSink | None = None,
+    ) -> None:
+        self.engine_args = engine_args
+        self.served_model_name = served_model_name
+        self.kv_event_sink = kv_event_sink
+        self._sub: Any = None
+        self.worker_id: int | None = None
+        self.bridge: KVEventBridge | None = None
+        self._llm: Any = None
+        self._context_length = 0
+        self._keys = itertools.count()
+        self._live: dict[str, set[str]] = {}
+        self._events_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._llm is not None:
+            raise RuntimeError("VllmEngine.start() called twice")
+        self.worker_id = worker_id
+        args = self.engine_args
+        if self.kv_event_sink is not None:
+            import zmq
+            import zmq.asyncio
+            from vllm.config import KVEventsConfig
+
+            sub = self._sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.bind("tcp://127.0.0.1:0")
+            args.kv_events_config = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=sub.getsockopt_string(zmq.LAST_ENDPOINT),  # vLLM connects to it
+                topic="",
+            )
+        # Builds the engine core process and loads the model: seconds to a minute, blocking.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        vconfig = self._llm.vllm_config
+        self._context_length = int(vconfig.model_config.max_model_len)
+        block_size = int(vconfig.cache_config.block_size)
+        if self._sub is not None:
+            self.bridge = KVEventBridge(block_size)
+            self._events_task = asyncio.create_task(self._relay_kv_events(), name="vllm-kv")
+        num_blocks = vconfig.cache_config.num_gpu_blocks
+        sched = vconfig.scheduler_config
+        return EngineConfig(
+            model=str(vconfig.model_config.model),
+            served_model_name=self.served_model_name,
+            context_length=self._context_length,
+            kv_block_size=block_size,
+            total_kv_blocks=int(num_blocks) if num_blocks else None,
+            max_num_seqs=int(sched.max_num_seqs),
+            max_num_batched_tokens=int(sched.max_num_batched_tokens),
+            capabilities=EngineCapabilities(
+                logprobs=True,
+                max_top_logprobs=MAX_LOGPROBS,
+                prompt_logprobs=True,
+                min_p=True,
+                repetition_penalty=True,
+                presence_penalty=True,
+                frequency_penalty=True,
+                guided_decoding=True,
+            ),
+        )
+
+    async def generate(
+        self, request: PreprocessedRequest, ctx: GenerateContext
+    ) -> AsyncGenerator[LLMEngineOutput, None]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        llm = self._llm
+        if self._closed or llm is None:
+            raise EngineShutdown("the vLLM engine is not running")
+        kwargs = sampling_kwargs(request, self._context_length)
+        structured = kwargs.pop("structured_outputs", None)
+        try:
+            params = SamplingParams(
+                **kwargs,
+                output_kind=RequestOutputKind.DELTA,
+                structured_outputs=None
+                if structured is None
+                else StructuredOutputsParams(**structured),
+            )
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        key = f"{ctx.id}#{next(self._keys)}"
+        self._live.setdefault(ctx.id, set()).add(key)
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        n_out = 0
+        finished = False
+        try:
+            stream = llm.generate(prompt, params, key)
+            async for out in stream:
+                if ctx.is_stopped():
+                    break
+                completion = out.outputs[0]
+                chunk = LLMEngineOutput(token_ids=list(completion.token_ids))
+                n_out += len(chunk.token_ids)
+                if request.output.logprobs is not None and completion.logprobs:
+                    _add_logprobs(chunk, completion.logprobs, request.output.logprobs)
+                if out.prompt_logprobs is not None and n_out == len(chunk.token_ids):
+                    chunk.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, request.token_ids)
+                if out.finished:
+                    finished = True
+                    reason = completion.finish_reason
+                    chunk.finish_reason = _FINISH.get(str(reason), FinishReason.STOP)
+                    chunk.usage = Usage(
+                        prompt_tokens=len(request.token_ids),
+                        completion_tokens=n_out,
+                        cached_tokens=out.num_cached_tokens,
+                    )
+                    yield chunk
+                    return
+                if chunk.token_ids:
+                    yield chunk
+            if not finished:  # stopped by the caller: vLLM's request is aborted below
+                yield LLMEngineOutput(
+                    finish_reason=FinishReason.CANCELLED,
+                    usage=Usage(prompt_tokens=len(request.token_ids), completion_tokens=n_out),
+                )
+        except ValueError as exc:  # vLLM's validation of the prompt / params
+            raise InvalidArgument(str(exc)) from exc
+        finally:
+            keys = self._live.get(ctx.id)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._live[ctx.id]
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await llm.abort(key)
+
+    async def abort(self, ctx: Context) -> None:
+        llm = self._llm
+        keys = list(self._live.get(ctx.id, ()))
+        if llm is not None and keys:
+            await llm.abort(keys)
+
+    async def drain(self) -> None:
+        self._closed = True
+
+    async def cleanup(self) -> None:
+        """Stop the KV relay and vLLM's engine core. Idempotent."""
+        self._closed = True
+        task, self._events_task = self._events_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._sub is not None:  # bound, but the relay never started
+            self._sub.close(linger=0)
+            self._sub = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+    async def _relay_kv_events(self) -> None:
+        """vLLM's PUB socket -> our event plane, batch by batch, in order."""
+        sub = self._sub
+        assert self.bridge is not None and self.kv_event_sink is not None and sub is not None
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    _, events, dp_rank = decode_batch(frames[-1])
+                    converted = self.bridge.convert(events, dp_rank or 0)
+                except (ValueError, TypeError, IndexError) as exc:
+                    log.warning("undecodable vLLM KV event batch: %s", exc)
+                    continue
+                if converted:
+                    await self.kv_event_sink(
+                        KVEventBatch(worker_id=self.worker_id or 0, events=converted)
+                    )
+        finally:
+            sub.close(linger=0)
+            self._sub = None
+
+
+def _add_logprobs(chunk: LLMEngineOutput, positions: list[dict[int, Any]], top: int) -> None:
+    """vLLM's per-token ``{token_id: Logprob(logprob, rank)}`` (the sampled token plus the
+    ``top`` most likely) -> our chosen log-probability and top-``top`` list."""
+    chosen: list[float] = []
+    tops: list[list[TopLogprob]] = []
+    for token, entries in zip(chunk.token_ids, positions, strict=False):
+        chosen.append(float(entries[token].logprob))
+        ranked = sorted(
+            ((t, e) for t, e in entries.items() if e.rank is not None and 0 < e.rank <= top),
+            key=lambda item: item[1].rank,
+        )
+        tops.append([TopLogprob(t, float(e.logprob)) for t, e in ranked])
+    chunk.log_probs, chunk.top_logprobs = chosen, tops
+
+
+def _prompt_logprobs(positions: list[Any], prompt: list[int]) -> list[float | None]:
+    out: list[float | None] = []
+    for token, entries in zip(prompt, positions, strict=False):
+        out.append(None if entries is None else float(entries[token].logprob))
+    return out
