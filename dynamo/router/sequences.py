@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router._blocks import BlockCounts, prefix_keys
+from dynamo.router.block_counts import BlockCounts, prefix_keys
 
 log = logging.getLogger(__name__)
 

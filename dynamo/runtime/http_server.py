@@ -8,10 +8,10 @@ thread hop and no copy beyond the body. With a trivial handler on the 2-core CI 
 ~3.5x the requests/s of granian's RSGI interface (about 70k vs 20k req/s, wrk, 16 connections).
 
 ``write_behind=True`` hands every response to a native write-behind thread
-(``dynamo.runtime._sender``): each connection's socket is dup'ed and written there without the
-GIL, so the kernel's send path (on loopback it also runs the receiver's input path) overlaps
-with parsing and answering the next requests. Responses of one event loop iteration are handed
-over together: the thread is woken at most once per iteration.
+(``dynamo.runtime.sender``, imported only then): each connection's socket is dup'ed and
+written there without the GIL, so the kernel's send path (on loopback it also runs the
+receiver's input path) overlaps with parsing and answering the next requests. Responses of one
+event loop iteration are handed over together: the thread is woken at most once per iteration.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 
-from dynamo.runtime._sender import Sender
 from dynamo.runtime.http_limits import HttpLimits
+
+if TYPE_CHECKING:
+    from dynamo.runtime.sender import Sender
 
 log = logging.getLogger(__name__)
 _now = time.monotonic
@@ -383,7 +385,10 @@ class _WriteBehind:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int, busy_poll_s: float = 0.0
     ) -> None:
-        self._sender = Sender(max_backlog_bytes=max_backlog_bytes)
+        # Imported here: only servers with write-behind on need it (or its native build).
+        from dynamo.runtime.sender import Sender
+
+        self._sender: Sender = Sender(max_backlog_bytes=max_backlog_bytes)
         self._loop = loop
         self.scheduled = False
         self.running = True  # False once stopped: connections made later write themselves

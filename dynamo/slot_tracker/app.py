@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from dynamo.router._blocks import BlockCounts
+from dynamo.router.block_counts import BlockCounts
 from dynamo.slot_tracker.registry import Registry, TrackerError
 from dynamo.slot_tracker.replica import PeerError, ReplicaSync
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router._blocks import BlockCounts
+from dynamo.router.block_counts import BlockCounts
 from dynamo.router.sequences import (
     DEFAULT_EXPIRY_S,
     ActiveSequences,

@@ -1,6 +1,9 @@
-"""router/_blocks.c: BlockCounts against a dict model, growth/shrink, key forms, from_json.
+"""router/_blocks.c and its fallback: BlockCounts against a dict model, growth/shrink, key
+forms, from_json, prefix keys.
 
-The native table is checked only through its public contract (``_blocks.pyi``); a plain
+Both implementations (the native table and ``_blocks_fallback.py``) run every test here: the
+module-scoped ``implementation`` fixture binds ``BlockCounts`` and ``prefix_keys`` of this module
+to one of them. They are checked only through the public contract (``_blocks.pyi``); a plain
 ``dict[int, int]`` keyed by the unsigned 64-bit form of each hash is the reference model.
 """
 
@@ -24,9 +27,27 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
-from dynamo.router._blocks import BlockCounts, prefix_keys
+from dynamo.router import _blocks_fallback
+from dynamo.router.block_counts import BlockCounts, prefix_keys
+
+IMPLEMENTATIONS = ["dynamo.router._blocks", "dynamo.router._blocks_fallback"]
+
+
+@pytest.fixture(scope="module", autouse=True, params=IMPLEMENTATIONS, ids=["native", "fallback"])
+def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Binds this module's ``BlockCounts`` and ``prefix_keys`` to one implementation."""
+    global BlockCounts, prefix_keys
+    module = pytest.importorskip(request.param)  # the native one may not be built here
+    saved = BlockCounts, prefix_keys
+    BlockCounts, prefix_keys = module.BlockCounts, module.prefix_keys
+    try:
+        yield request.param
+    finally:
+        BlockCounts, prefix_keys = saved
+
 
 U64 = 2**64 - 1
 I64_MIN = -(2**63)
@@ -163,8 +184,10 @@ class BlockCountsMachine(RuleBasedStateMachine):
             assert k not in self.table and signed(k) not in self.table
 
 
-BlockCountsMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30)
-test_block_counts_matches_dict_model = BlockCountsMachine.TestCase
+def test_block_counts_matches_dict_model() -> None:
+    run_state_machine_as_test(
+        BlockCountsMachine, settings=settings(max_examples=30, stateful_step_count=30)
+    )
 
 
 @given(keys=st.lists(HASHES, max_size=60))
@@ -307,10 +330,12 @@ _LAYOUT_SCRIPT = (
 )
 
 
-def test_slot_placement_is_seeded_per_process() -> None:
+def test_slot_placement_is_seeded_per_process(implementation: str) -> None:
     """Slots come from a mix of the key with a per-process random seed, so a client cannot
     pick hashes that collide: items() (slot order) differs between interpreters. Keys sharing
     their low 40 bits also catch a placement by raw key bits (one run, in insertion order)."""
+    if implementation.endswith("fallback"):
+        pytest.skip("a dict keeps insertion order: see the fallback's scrambling test")
     keys = [k << 40 for k in range(64)]
     assert [k for k, _ in BlockCounts(keys).items()] != keys
     layouts = {
@@ -324,6 +349,17 @@ def test_slot_placement_is_seeded_per_process() -> None:
         for _ in range(2)
     }
     assert len(layouts) == 2, layouts
+
+
+def test_fallback_scrambles_keys_that_share_a_python_hash() -> None:
+    """Python hashes an int modulo 2**61 - 1: keys a client spaces by that modulus would all
+    probe one dict slot chain unless scrambled by the per-process multiplier first."""
+    modulus = 2**61 - 1
+    keys = [5 + i * modulus for i in range(8)]
+    assert len({hash(k) for k in keys}) == 1
+    table = _blocks_fallback.BlockCounts(keys)
+    assert len({hash(k) for k in table._counts}) == 8
+    assert sorted(k for k, _ in table.items()) == keys
 
 
 def test_getsizeof_grows_with_capacity() -> None:
@@ -727,8 +763,8 @@ def test_prefix_methods_reject_what_the_plain_ones_reject() -> None:
         BlockCounts.prefixes_from_json(b"[1, 2.5]")
 
 
-def test_prefix_keys_are_seeded_per_process() -> None:
-    script = "from dynamo.router._blocks import prefix_keys; print(prefix_keys([1, 2, 3]))"
+def test_prefix_keys_are_seeded_per_process(implementation: str) -> None:
+    script = f"from {implementation} import prefix_keys; print(prefix_keys([1, 2, 3]))"
     runs = {
         subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, check=True

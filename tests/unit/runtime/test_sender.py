@@ -1,5 +1,8 @@
-"""The native write-behind thread ``dynamo.runtime._sender.Sender`` over real socket pairs:
-per-descriptor order, shutdown/close markers, backlogs and their cap, dead peers, stop."""
+"""The write-behind thread ``Sender`` over real socket pairs: per-descriptor order,
+shutdown/close markers, backlogs and their cap, dead peers, stop.
+
+Every test runs against both implementations, the native ``dynamo.runtime._sender`` and the
+pure-Python ``dynamo.runtime._sender_fallback`` (the ``impl`` fixture)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from types import FrameType
 
 import pytest
 
-from dynamo.runtime._sender import Sender
+from dynamo.runtime.sender import Sender
 
 DEADLINE_S = 5.0  # generous: the CI machine is small and shared
 SMALL_BUF = 16 * 1024  # the kernel doubles it; a few such buffers are far below the data sizes
@@ -38,18 +41,29 @@ class Link:
     handed_over: bool = False  # close(fd) was queued (or stop closed it): the fd is not ours
 
 
+@pytest.fixture(
+    params=["dynamo.runtime._sender", "dynamo.runtime._sender_fallback"],
+    ids=["native", "fallback"],
+)
+def impl(request: pytest.FixtureRequest) -> type[Sender]:
+    """The Sender class under test (the native one may not be built here)."""
+    sender_type: type[Sender] = pytest.importorskip(request.param).Sender
+    return sender_type
+
+
 @dataclass(slots=True)
 class Rig:
     """Owns the Sender and the sockets of one test and cleans them up."""
 
+    sender_type: type[Sender]
     sender: Sender | None = None
     links: list[Link] = field(default_factory=list)
 
     def start(self, max_backlog_bytes: int | None = None) -> Sender:
         if max_backlog_bytes is None:
-            self.sender = Sender()
+            self.sender = self.sender_type()
         else:
-            self.sender = Sender(max_backlog_bytes=max_backlog_bytes)
+            self.sender = self.sender_type(max_backlog_bytes=max_backlog_bytes)
         return self.sender
 
     def link(self, kind: str = "tcp", *, small_buffers: bool = False, keep: bool = False) -> Link:
@@ -89,8 +103,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig() -> Iterator[Rig]:
-    rig = Rig()
+def rig(impl: type[Sender]) -> Iterator[Rig]:
+    rig = Rig(impl)
     try:
         yield rig
     finally:
@@ -392,7 +406,7 @@ def test_a_peer_gone_while_backlogged_is_counted(rig: Rig, sigpipes: list[int]) 
 # A dead descriptor's queue, in a child process: a use-after-free there aborts the process.
 DEAD_DESCRIPTOR_CHILD = r"""
 import os, socket, sys, time
-from dynamo.runtime._sender import Sender
+from dynamo.runtime.sender import Sender
 
 if sys.argv[1] == "peer gone":
     sender = Sender()
@@ -431,13 +445,17 @@ peer.close()
 
 
 @pytest.mark.parametrize("how", ["peer gone", "over the cap"])
-def test_bytes_for_a_dead_descriptor_are_dropped_and_its_close_performed(how: str) -> None:
+def test_bytes_for_a_dead_descriptor_are_dropped_and_its_close_performed(
+    how: str, impl: type[Sender]
+) -> None:
+    native = "1" if impl.__module__ == "dynamo.runtime._sender" else "0"
     child = subprocess.run(
         [sys.executable, "-c", DEAD_DESCRIPTOR_CHILD, how],
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
+        env=os.environ | {"DYN_NATIVE": native},
     )
     report = f"rc={child.returncode} stdout={child.stdout!r} stderr={child.stderr[-2000:]!r}"
     assert (child.returncode, child.stdout) == (0, "closed 1\n"), report
@@ -512,12 +530,12 @@ def test_a_stopped_sender_refuses_new_work(rig: Rig) -> None:
     assert sender.dropped_connections == 0
 
 
-def test_dropping_the_sender_finishes_its_queue() -> None:
+def test_dropping_the_sender_finishes_its_queue(impl: type[Sender]) -> None:
     ours, peer = tcp_pair(small_buffers=False)
     with peer:
         ours.setblocking(False)
         fd = ours.detach()
-        sender = Sender()
+        sender = impl()
         sender.send(fd, b"queued, never flushed")
         sender.close(fd)
         del sender  # dealloc stops the thread, which finishes the queue first
@@ -549,7 +567,7 @@ def test_argument_errors_and_bytes_like_data(rig: Rig) -> None:
         sender.send(link.fd, memoryview(b"abcdef")[::2])  # not contiguous
     for cap in (0, -1):
         with pytest.raises(ValueError):
-            Sender(max_backlog_bytes=cap)
+            rig.sender_type(max_backlog_bytes=cap)
     with pytest.raises(TypeError):
         sender.stop(timeout="soon")  # type: ignore[arg-type]
     assert sender.running

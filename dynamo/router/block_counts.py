@@ -1,0 +1,24 @@
+"""``BlockCounts`` and ``prefix_keys``: the native table (``_blocks.c``) or its pure-Python
+fallback (``_blocks_fallback.py``), chosen once by ``dynamo.native`` (``DYN_NATIVE``).
+
+The contract of both is ``_blocks.pyi``; import these names from here, never from either
+implementation, so that one process never mixes the two (their seeded keys differ).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dynamo import native
+
+_impl = native.load("dynamo.router._blocks", "dynamo.router._blocks_fallback")
+IMPLEMENTATION: str = _impl.__name__
+"""The module in use (``dynamo.router._blocks`` or ``dynamo.router._blocks_fallback``)."""
+
+if TYPE_CHECKING:
+    from dynamo.router._blocks import BlockCounts, prefix_keys
+else:
+    BlockCounts = _impl.BlockCounts
+    prefix_keys = _impl.prefix_keys
+
+__all__ = ["IMPLEMENTATION", "BlockCounts", "prefix_keys"]
