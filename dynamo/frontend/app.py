@@ -48,6 +48,10 @@ from dynamo.runtime.published_files import fetch_files
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
+_DRAIN_MAX_BYTES = 64 * 1024 * 1024
+"""A body declared over the limit but under this is read and dropped before the 413 ..."""
+_DRAIN_GRACE_S = 2.0
+"""... for at most this long."""
 
 
 class _Server(Server):
@@ -109,7 +113,17 @@ class _RSGIExchange:
 
     async def body(self, limit: int) -> bytes:
         declared = self.header("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        too_large = declared is not None and declared.isdigit() and int(declared) > limit
+        if too_large and int(declared or 0) > _DRAIN_MAX_BYTES:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        if too_large:
+            # Read and drop what arrives within a short grace, piece by piece (never one large
+            # copy): a client that sends its whole body before it reads then gets the 413, not
+            # a reset; one that waits for the answer gets it after the grace.
+            with contextlib.suppress(TimeoutError, RSGIProtocolClosed, RSGIProtocolError):
+                async with asyncio.timeout(min(self._body_timeout_s, _DRAIN_GRACE_S)):
+                    async for _ in self._protocol:
+                        pass
             raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
         try:
             async with asyncio.timeout(self._body_timeout_s):

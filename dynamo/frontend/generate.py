@@ -17,7 +17,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import msgspec
 from opentelemetry import context as otel_context
 
 from dynamo.frontend.admission import Admission
@@ -28,10 +27,11 @@ from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import ClientDisconnected, Exchange
 from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.keepalive import KeepAliveSink
+from dynamo.frontend.large_body import TooLong, decode, decode_checked
 from dynamo.frontend.logprobs import ResponseExtras, TokenLogprobs, response_extras
 from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
-from dynamo.frontend.offload import Offload
+from dynamo.frontend.offload import PROCESS_ABOVE_BYTES, Offload
 from dynamo.frontend.pipeline import ChoiceDelta, ModelPipeline, RunStats
 from dynamo.frontend.request_params import prepare_request, wants, wants_timing
 from dynamo.frontend.streaming import (
@@ -50,12 +50,13 @@ from dynamo.observability.metrics import FrontendMetrics
 from dynamo.preprocess import Prepared, Preprocessor
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import NoInstances, Overloaded
-
-_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+from dynamo.runtime.errors import InvalidArgument, NoInstances, Overloaded
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+MAX_JSON_BYTES_PER_CHAR = 12
+BODY_SLACK_BYTES = 1024 * 1024
 
 
 class GenerateHandler:
@@ -133,7 +134,7 @@ class GenerateHandler:
             inflight.fail(http, NoInstances("the frontend is shutting down"))
             return
         try:
-            body = await http.body(self._body_limit)
+            body = await http.body(self._useful_body_limit())
         except ClientDisconnected:
             # a half-closed client may still read: tell it (400), but count a cancellation
             reply = to_http(HTTPError(400, "the request body ended before its declared end"))
@@ -150,8 +151,7 @@ class GenerateHandler:
         try:
             try:
                 offload = self.offload
-                decoder = _chat_decoder if endpoint == "chat_completions" else _completion_decoder
-                req: OpenAIRequest = await offload.run(len(body), decoder.decode, body)
+                req = await self._decode(endpoint, body)
                 del body  # a large prompt's bytes are not held while it is served
                 inflight.request_type = "stream" if req.stream else "unary"
                 entry = self._registry.get(req.model)
@@ -193,6 +193,41 @@ class GenerateHandler:
             raise
         finally:
             inflight.finish("error", "internal")  # a backstop: a no-op once finished
+
+    def _useful_body_limit(self) -> int:
+        """The body limit, lowered to the largest body a served model's context can use: a
+        prompt that fits has at most ``max_prompt_chars`` characters, each at most 12 bytes of
+        JSON (an escaped surrogate pair), plus 1 MiB for the other fields. A larger body is
+        refused (413) before it is read, copied or decoded."""
+        most = 0
+        for entry in self._registry.models():
+            pipeline = entry.pipeline
+            limit = None if pipeline is None else pipeline.preprocessor.max_prompt_chars
+            if limit is None:
+                return self._body_limit  # a model without a bound: any body may be useful
+            most = max(most, limit)
+        if not most:
+            return self._body_limit
+        return min(self._body_limit, most * MAX_JSON_BYTES_PER_CHAR + BODY_SLACK_BYTES)
+
+    async def _decode(self, endpoint: str, body: bytes) -> OpenAIRequest:
+        """The request in ``body``: decoded inline, on a thread, or (very large) in the helper
+        process, which also refuses a prompt that cannot fit its model's context."""
+        if len(body) <= PROCESS_ABOVE_BYTES:
+            return await self.offload.run(len(body), decode, endpoint, body)
+        limits = {}
+        for entry in self._registry.models():
+            if entry.pipeline is not None:
+                limit = entry.pipeline.preprocessor.max_prompt_chars
+                if limit is not None:
+                    limits[entry.name] = limit
+        result = await self.offload.run_in_process(decode_checked, endpoint, body, limits)
+        if isinstance(result, TooLong):
+            raise InvalidArgument(
+                f"the prompt of {result.chars} characters exceeds this model's maximum context "
+                f"length (at most {result.limit} characters fit); shorten the prompt"
+            )
+        return result
 
     # -- streaming ---------------------------------------------------------------------------
     async def _stream(

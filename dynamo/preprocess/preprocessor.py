@@ -219,12 +219,20 @@ class Preprocessor:
         self._check_text_length(text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt that fits the context can have (context x the most
+        characters one token covers), or None when the tokenizer does not bound it."""
+        per_token = self._tokenizer.max_token_chars
+        return None if per_token is None else self._context_length * per_token
+
     def _check_text_length(self, text: str) -> None:
         """Refuse, before tokenizing it, a text that cannot fit the context: it has at least
         ``len(text) / max_token_chars`` tokens. A 40 MB prompt is refused in microseconds
         instead of being tokenized (seconds of CPU, gigabytes of encodings) to learn the same."""
-        per_token = self._tokenizer.max_token_chars
-        if per_token is not None and len(text) > self._context_length * per_token:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            per_token = self._tokenizer.max_token_chars or 1
             least = -(-len(text) // per_token)
             raise InvalidArgument(
                 f"this model's maximum context length is {self._context_length} tokens, but the "

@@ -71,6 +71,12 @@ async def test_malformed_bodies_are_400_with_openai_bodies(stack: Stack) -> None
         assert_openai_error(await client.post(path, content=deep, headers=headers), 400)
         inner = b'{"model":"demo","prompt":"x","messages":[],"tools":' + deep + b"}"
         assert_openai_error(await client.post(path, content=inner, headers=headers), 400)
+    # the same past 1 MiB, where the body is decoded in the helper process
+    pad = b" " * (2 * 1024 * 1024)
+    raw = b'{"model":"demo","messages":[{"role":"user","content":"\xc3\x28"}]' + pad + b"}"
+    assert_openai_error(await client.post(CHAT, content=raw, headers=headers), 400)
+    raw = b'{"model":"demo","messages":' + pad + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_openai_error(await client.post(CHAT, content=raw, headers=headers), 400)
     # integers beyond 64 bits in every integer field the issue found
     big = 1 << 65
     for fields in (
@@ -98,7 +104,7 @@ async def test_malformed_bodies_are_400_with_openai_bodies(stack: Stack) -> None
 
 
 async def test_huge_prompt_is_refused_without_stalling_others(stack: Stack) -> None:
-    """A 40 MB prompt is refused before tokenization; a normal request meanwhile is served."""
+    """A 40 MB prompt is refused before it is even read; a normal request meanwhile is served."""
     await stack.add_worker("--speedup-ratio", "0")
     client = await stack.start_frontend()  # default limits: a 40 MB upload takes a while
     await stack.wait_for_model()
@@ -109,9 +115,13 @@ async def test_huge_prompt_is_refused_without_stalling_others(stack: Stack) -> N
     normal = await client.post(CHAT, json=chat())
     normal_s = time.monotonic() - started
     assert normal.status_code == 200, normal.text
-    error = assert_openai_error(await huge_task, 400)
-    assert "context length" in error["message"]
+    # larger than any body the model's context can use: refused before it is read
+    assert_openai_error(await huge_task, 413)
     assert normal_s < 10  # generous (loaded CI machine); it was 49 s before
+    # 2 MB: read, decoded in the helper process, refused there before tokenization
+    large = {"model": "demo", "messages": [{"role": "user", "content": "word " * 400_000}]}
+    error = assert_openai_error(await client.post(CHAT, json=large), 400)
+    assert "context length" in error["message"]
     # a large prompt that fits is tokenized off the event loop and served
     fits = {"model": "demo", "prompt": "a b " * 20_000, "max_tokens": 2}
     resp = await client.post(COMPLETIONS, json=fits)

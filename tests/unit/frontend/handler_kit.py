@@ -174,6 +174,9 @@ class FakeRegistry:
     def __init__(self, entry: ModelEntry[ModelPipeline]) -> None:
         self.entry = entry
 
+    def models(self) -> list[ModelEntry[ModelPipeline]]:
+        return [self.entry]
+
     def get(self, name: str) -> ModelEntry[ModelPipeline]:
         if name != self.entry.name:
             raise ModelNotFound(f"The model `{name}` does not exist")

@@ -1,0 +1,94 @@
+"""Load shedding's arithmetic (capacity from the cards, Retry-After from the drain rate, one
+release per ticket) and the preprocessing offload's bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from dynamo.frontend.admission import MAX_RETRY_AFTER_S, Admission, Shed
+from dynamo.frontend.errors import to_http
+from dynamo.frontend.offload import Offload
+from dynamo.protocol.model_card import ModelCard
+from dynamo.runtime.errors import Overloaded
+
+pytestmark = pytest.mark.unit
+
+
+def card(max_num_seqs: int | None) -> ModelCard:
+    return ModelCard(
+        model_path="demo",
+        served_model_name="demo",
+        namespace="dynamo",
+        component="backend",
+        endpoint="generate",
+        instance_id=1,
+        context_length=4096,
+        kv_block_size=16,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def test_capacity_is_factor_times_the_advertised_slots() -> None:
+    admission = Admission(factor=1.5)
+    cards = [card(2), card(2)]
+    tickets = [admission.admit("m", cards) for _ in range(6)]  # floor(4 * 1.5)
+    with pytest.raises(Shed) as refused:
+        admission.admit("m", cards)
+    assert 1 <= refused.value.retry_after_s <= MAX_RETRY_AFTER_S
+    reply = to_http(refused.value, 529)
+    assert reply.status == 529
+    assert ("retry-after", str(refused.value.retry_after_s)) in reply.headers
+    tickets[0].release()
+    tickets[0].release()  # idempotent: frees one place, not two
+    assert admission.admitted("m") == 5
+    admission.admit("m", cards)
+    with pytest.raises(Shed):
+        admission.admit("m", cards)
+
+
+def test_unadvertised_capacity_and_factor_zero_never_shed() -> None:
+    for admission, cards in ((Admission(), [card(1), card(None)]), (Admission(0), [card(1)])):
+        for _ in range(50):
+            admission.admit("m", cards)
+
+
+def test_retry_after_follows_the_drain_rate() -> None:
+    admission = Admission(factor=1.0, window_s=10.0)
+    cards = [card(1)]
+    admission.admit("m", cards)
+    with pytest.raises(Shed) as idle:
+        admission.admit("m", cards)
+    assert idle.value.retry_after_s == 10  # nothing finished lately: one window
+    fast = Admission(factor=1.0)
+    for _ in range(200):  # many quick finishes: a high drain rate
+        fast.admit("m", cards).release()
+    fast.admit("m", cards)
+    with pytest.raises(Shed) as busy:
+        fast.admit("m", cards)
+    assert busy.value.retry_after_s == 1
+
+
+async def test_offload_runs_small_inline_and_bounds_large() -> None:
+    offload = Offload(threads=1, max_pending=2, inline_below_bytes=100)
+    try:
+        main = threading.get_ident()
+        assert await offload.run(10, threading.get_ident) == main
+        assert await offload.run(1000, threading.get_ident) != main
+        gate = threading.Event()
+        jobs = [asyncio.ensure_future(offload.run(1000, gate.wait, 5)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):
+            await offload.run(1000, threading.get_ident)
+        jobs[0].cancel()  # a cancelled job's thread still counts until it is done
+        await asyncio.sleep(0.05)
+        assert offload.pending == 2
+        gate.set()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        async with asyncio.timeout(5):
+            while offload.pending:
+                await asyncio.sleep(0.01)
+    finally:
+        offload.close()
