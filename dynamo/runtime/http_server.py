@@ -21,14 +21,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 import httptools
 
 from dynamo.runtime.http_limits import HttpLimits
-
-if TYPE_CHECKING:
-    from dynamo.runtime.sender import Sender
+from dynamo.runtime.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 _now = time.monotonic
@@ -140,7 +138,7 @@ class HttpProtocol(asyncio.Protocol):
         app: App,
         max_body_bytes: int,
         connections: set[HttpProtocol],
-        write_behind: _WriteBehind | None = None,
+        write_behind: WriteBehind | None = None,
         accepting: Callable[[], bool] | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
@@ -352,113 +350,13 @@ class HttpProtocol(asyncio.Protocol):
             raise _Abort
 
 
-BUSY_POLL_WINDOW_S = 0.01
-BUSY_POLL_MIN_ITERATIONS = 100
-"""Busy polling runs only after a window of BUSY_POLL_WINDOW_S in which at least this many
-loop iterations answered requests (10k/s): below that rate it would mostly burn CPU."""
-
-
-class _WriteBehind:
-    """A server's write-behind thread, woken at most once per event loop iteration.
-
-    Busy polling (``busy_poll_s`` > 0): under load, after an iteration that answered requests
-    the loop is kept from sleeping for ``busy_poll_s`` (a ``call_soon`` chain makes it poll
-    with a zero timeout). The next request is then picked up without a wake-up of the event
-    loop thread; with wrk at 16 connections this raised the slot tracker's throughput ~20 %.
-    The cost is CPU: while requests keep coming within the window, the loop's core stays busy.
-    """
-
-    __slots__ = (
-        "_sender",
-        "_loop",
-        "scheduled",
-        "sender_send",
-        "running",
-        "_busy_poll_s",
-        "_active_at",
-        "_polling",
-        "_window_end",
-        "_window_iterations",
-        "_hot",
-    )
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, max_backlog_bytes: int, busy_poll_s: float = 0.0
-    ) -> None:
-        # Imported here: only servers with write-behind on need it (or its native build).
-        from dynamo.runtime.sender import Sender
-
-        self._sender: Sender = Sender(max_backlog_bytes=max_backlog_bytes)
-        self._loop = loop
-        self.scheduled = False
-        self.running = True  # False once stopped: connections made later write themselves
-        self._busy_poll_s = busy_poll_s
-        self._active_at = 0.0
-        self._polling = False
-        self._window_end = 0.0
-        self._window_iterations = 0
-        self._hot = False
-        # The hot path calls these two directly: ``sender_send`` then, unless ``scheduled``,
-        # ``schedule_flush`` (one Python frame less per response than ``send``).
-        self.sender_send = self._sender.send
-
-    def schedule_flush(self) -> None:
-        self.scheduled = True
-        self._loop.call_soon(self._flush)
-
-    def send(self, fd: int, data: bytes) -> None:
-        self._sender.send(fd, data)
-        if not self.scheduled:
-            self.schedule_flush()
-
-    def shutdown_write(self, fd: int) -> None:
-        self._sender.shutdown_write(fd)
-        self._sender.flush()
-
-    def close(self, fd: int) -> None:
-        if not self.running:  # the thread is gone: nothing is queued for fd any more
-            os.close(fd)
-            return
-        self._sender.close(fd)
-        self._sender.flush()
-
-    @property
-    def dropped_connections(self) -> int:
-        return self._sender.dropped_connections
-
-    def _flush(self) -> None:
-        self.scheduled = False
-        self._sender.flush()
-        if self._busy_poll_s > 0:
-            now = time.monotonic()
-            self._active_at = now
-            if now >= self._window_end:
-                self._hot = self._window_iterations >= BUSY_POLL_MIN_ITERATIONS
-                self._window_iterations = 0
-                self._window_end = now + BUSY_POLL_WINDOW_S
-            self._window_iterations += 1
-            if self._hot and not self._polling:
-                self._polling = True
-                self._loop.call_soon(self._poll)
-
-    def _poll(self) -> None:
-        if self.running and time.monotonic() - self._active_at < self._busy_poll_s:
-            self._loop.call_soon(self._poll)
-        else:
-            self._polling = False
-
-    def stop(self, timeout_s: float) -> None:
-        self.running = False
-        self._sender.stop(timeout_s)
-
-
 class HttpServer:
     """Listens on (host, port) and serves ``app``; ``port=0`` picks a free port (see ``port``).
 
     ``write_behind``: write responses from a native thread (see the module docstring); a
     client that leaves more than ``max_backlog_bytes`` of responses unread is disconnected.
     ``busy_poll_s``: under load, keep the loop polling this long after answering (see
-    ``_WriteBehind``); 0 disables it. ``limits``: connection limit, timeouts, header size
+    ``WriteBehind``); 0 disables it. ``limits``: connection limit, timeouts, header size
     (``http_limits.py``); the timeouts are enforced by one sweep per server (a timer every
     ``_sweep_period``), so a request costs no timer of its own.
     """
@@ -486,7 +384,7 @@ class HttpServer:
         self._limit = max_body_bytes
         self._use_write_behind = write_behind
         self._max_backlog = max_backlog_bytes
-        self._write_behind: _WriteBehind | None = None
+        self._write_behind: WriteBehind | None = None
         self._serving = False  # False: connections the loop still accepts are closed at once
         self._server: asyncio.Server | None = None
         self._connections: set[HttpProtocol] = set()
@@ -508,7 +406,7 @@ class HttpServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._use_write_behind:
-            self._write_behind = _WriteBehind(loop, self._max_backlog, self._busy_poll_s)
+            self._write_behind = WriteBehind(loop, self._max_backlog, self._busy_poll_s)
         write_behind = self._write_behind
         self._serving = True
         try:

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import pytest
 import uvloop
 
-from dynamo.runtime import http_server
-from dynamo.runtime.http_server import (
-    _LINGER_S,
+from dynamo.runtime import write_behind as write_behind_module
+from dynamo.runtime.http_server import _LINGER_S, HttpServer
+from dynamo.runtime.write_behind import (
     BUSY_POLL_MIN_ITERATIONS,
     BUSY_POLL_WINDOW_S,
-    HttpServer,
-    _WriteBehind,
+    WriteBehind,
 )
 
 DEADLINE_S = 5.0  # generous: the CI machine is small and shared
@@ -348,7 +347,7 @@ async def test_flushes_once_per_loop_iteration() -> None:
     ours, peer = socket.socketpair()
     ours.setblocking(False)
     peer.setblocking(False)
-    write_behind = _WriteBehind(loop, MIB)
+    write_behind = WriteBehind(loop, MIB)
     try:
         fd = ours.detach()
         for i in range(100):
@@ -513,10 +512,10 @@ async def test_busy_polling_starts_only_under_load_and_stops_when_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(http_server, "time", clock)
+    monkeypatch.setattr(write_behind_module, "time", clock)
     loop = asyncio.get_running_loop()
     busy_poll_s = 0.005
-    write_behind = _WriteBehind(loop, MIB, busy_poll_s)
+    write_behind = WriteBehind(loop, MIB, busy_poll_s)
     try:
         # A quiet window (a few answering iterations): the loop may sleep.
         for _ in range(5):
