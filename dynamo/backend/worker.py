@@ -29,6 +29,7 @@ from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.disagg import role_component
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
+from dynamo.backend.prefill_queue import PrefillQueueConsumer
 from dynamo.backend.status_server import StatusServer, starting_ready
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
@@ -73,6 +74,7 @@ class _Registration:
     card_key: str | None = None
     cleaned: bool = False
     canary: HealthCanary | None = None
+    consumer: PrefillQueueConsumer | None = None
 
 
 class Worker:
@@ -162,6 +164,7 @@ class Worker:
                 self._start_canaries()
                 for hook in self._hooks:
                     await hook(self)
+                await self._start_prefill_consumers()
                 self.ready.set()
                 await self._shutdown.wait()
         finally:
@@ -188,6 +191,17 @@ class Worker:
         serving = self.ready.is_set() and not self._shutdown.is_set()
         canaries_ok = all(r.canary is None or r.canary.healthy for r in self._regs)
         return {self.config.endpoint: serving and canaries_ok}
+
+    async def _start_prefill_consumers(self) -> None:
+        """A prefill worker's engines also pull their model's global prefill queue (frontends
+        in dispatch ``queue`` push there; with none, the pulls find nothing)."""
+        if self.config.role is not WorkerRole.PREFILL:
+            return
+        for reg in self._regs:
+            assert reg.engine_config is not None
+            model = self.config.served_model_name or reg.engine_config.name
+            reg.consumer = PrefillQueueConsumer(self.runtime, reg.adapter, reg.worker_id, model)
+            await reg.consumer.start()
 
     def _start_canaries(self) -> None:
         """One health-check canary per registered engine that has a payload (FACTS §8)."""
@@ -306,6 +320,15 @@ class Worker:
         for reg in self._regs:
             await self._unregister(reg)
         log.info("worker left discovery; grace period %.1fs", self.config.graceful_shutdown_timeout)
+        # A prefill worker pulls no more prefill tasks; the ones in hand may finish in the grace
+        # period (what is left is given back to the queue when the runtime closes it).
+        await asyncio.gather(
+            *(
+                r.consumer.stop(self.config.graceful_shutdown_timeout)
+                for r in self._regs
+                if r.consumer is not None
+            )
+        )
         # 2. Grace period: let in-flight requests finish.
         await self._wait_inflight(self.config.graceful_shutdown_timeout)
         # 3. Drain and clean up each engine exactly once.

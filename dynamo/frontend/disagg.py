@@ -18,14 +18,22 @@ then asks :meth:`Disaggregation.prefill`:
   frontend watches. A request that names its prefill worker (``x-prefill-instance-id`` /
   ``nvext.prefill_worker_id``) always goes remote. With no live prefill worker the decode worker
   prefills locally.
-* **run** (dispatch ``route``, FACTS §9.1): a copy of the request with ``max_tokens=1`` is routed
-  by the prefill set's own router to a prefill worker, whose terminal chunk carries the handoff
-  (:class:`DisaggregatedParams`). Its token is never sent to the client: the decode worker
-  resumes from the handoff and produces the first token again. Once dispatched, a failed
-  prefill fails the request (no silent fallback to a local prefill).
+* **run**: a copy of the request with ``max_tokens=1`` goes to a prefill worker, whose terminal
+  chunk carries the handoff (:class:`DisaggregatedParams`). Its token is never sent to the
+  client: the decode worker resumes from the handoff and produces the first token again.
 
-The "prefill queue" in route mode is the remote prefills in flight beyond one per live prefill
-worker (the ones waiting on a busy prefill worker).
+  - dispatch ``route`` (FACTS §9.1): the prefill set's own router picks the prefill worker;
+  - dispatch ``queue`` (spec 003): the copy goes onto the model's global prefill queue and the
+    first free prefill worker pulls it (``prefill_queue.py``); a request naming its prefill
+    worker is still routed to it.
+
+  Once dispatched, a failed prefill fails the attempt (no silent fallback to a local prefill);
+  a failure of the prefill worker (it died, or its KV could not be fetched) is migratable: with
+  migration on, the attempt loop starts again, without that prefill worker.
+
+The "prefill queue" the rule bounds: in route mode, the remote prefills in flight beyond one per
+live prefill worker (the ones waiting on a busy prefill worker); in queue mode, the tasks
+waiting in the queue.
 """
 
 from __future__ import annotations
@@ -40,16 +48,25 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from dynamo.frontend.attempt import Load, Timeouts, placed, route, transport
+from dynamo.frontend.migration import is_instance_fault
+from dynamo.frontend.prefill_queue import PrefillQueueDispatch
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.model_card import WorkerRole
-from dynamo.protocol.output import FinishReason
+from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import OutputOptions, PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Selection
 from dynamo.runtime.config import add_flag
 from dynamo.runtime.context import Context
 from dynamo.runtime.discovery.base import Discovery, Watch, WatchEventKind
-from dynamo.runtime.errors import Cancelled, NoInstances, StreamIncomplete, Unknown
+from dynamo.runtime.errors import (
+    Cancelled,
+    DynamoError,
+    NoInstances,
+    StreamIncomplete,
+    Unknown,
+    from_kind,
+)
 from dynamo.runtime.naming import disagg_router_prefix
 from dynamo.runtime.runtime import DistributedRuntime
 
@@ -59,7 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DISPATCH_MODES = ("route",)
+DISPATCH_MODES = ("route", "queue")
 RULES = ("prefill-length", "isl-bounding")
 _encoder = msgspec.msgpack.Encoder()
 
@@ -92,7 +109,8 @@ class DisaggSettings:
             "--prefill-dispatch",
             default=d.dispatch,
             choices=DISPATCH_MODES,
-            help="how remote prefills reach prefill workers (route: a KV router over them)",
+            help="how remote prefills reach prefill workers (route: a KV router over them; "
+            "queue: a global prefill queue per model that prefill workers pull from)",
         )
         add_flag(
             g,
@@ -214,9 +232,12 @@ class Disaggregation:
         self._models: dict[str, _ModelState] = {}
         self._watch: Watch | None = None
         self._task: asyncio.Task[None] | None = None
+        self._queue = PrefillQueueDispatch(runtime) if settings.dispatch == "queue" else None
 
     # -- run-time thresholds ------------------------------------------------------------------
     async def start(self) -> None:
+        if self._queue is not None:
+            await self._queue.start()
         self._watch = await self._runtime.discovery.watch_prefix(self._prefix)
         for kv in self._watch.snapshot:
             self._apply(kv.key, kv.value)
@@ -230,6 +251,8 @@ class Disaggregation:
         if self._watch is not None:
             await self._watch.close()
             self._watch = None
+        if self._queue is not None:
+            await self._queue.close()
 
     async def _follow(self) -> None:
         assert self._watch is not None
@@ -280,12 +303,21 @@ class Disaggregation:
         return max(0, self._state(model).inflight - num_prefill_workers)
 
     # -- the decision -----------------------------------------------------------------------
-    def remote(self, model: str, isl: int, cached: int, num_prefill_workers: int) -> bool:
+    def remote(
+        self,
+        model: str,
+        isl: int,
+        cached: int,
+        num_prefill_workers: int,
+        queue_depth: int | None = None,
+    ) -> bool:
         """Whether a prompt of ``isl`` tokens, ``cached`` of them on the chosen decode worker,
-        is prefilled remotely (the module docstring gives the rules)."""
+        is prefilled remotely (the module docstring gives the rules). ``queue_depth``: the
+        prefill queue's waiting tasks (queue mode), else the route-mode estimate."""
         max_local, max_queue = self.thresholds(model)
-        queue = self.queue_depth(model, num_prefill_workers)
-        return prefill_remotely(self.settings, isl, cached, queue, max_local, max_queue)
+        if queue_depth is None:
+            queue_depth = self.queue_depth(model, num_prefill_workers)
+        return prefill_remotely(self.settings, isl, cached, queue_depth, max_local, max_queue)
 
     # -- the remote prefill -------------------------------------------------------------------
     async def prefill(
@@ -309,14 +341,23 @@ class Disaggregation:
         forced = hints is not None and hints.prefill_worker_id is not None
         if forced and not live:
             raise NoInstances(f"{model!r} has no live prefill worker")
+        queued = self._queue is not None and not forced
         if not forced:
             bs = entry.cards[decode.instance_id].kv_block_size
             cached = decode.overlap_blocks * bs
-            if not live or not self.remote(model, len(request.token_ids), cached, len(live)):
+            depth = None
+            if live and self._queue is not None:
+                depth = await self._queue.waiting(model)
+                if self._metrics is not None:
+                    self._metrics.disagg_queue_depth.labels(model).set(depth)
+            isl = len(request.token_ids)
+            if not live or not self.remote(model, isl, cached, len(live), depth):
                 self._count(model, "local")
                 return None
-        router = entry.routers[WorkerRole.PREFILL]
         prefill_request = prefill_only(request)
+        if queued:
+            return await self._queued_prefill(entry, prefill_request, ctx, timeouts, on_link)
+        router = entry.routers[WorkerRole.PREFILL]
         selection = route(router, prefill_request, [entry.cards[i] for i in live])
         load = Load(router, request.request_id or ctx.id)
         loads.append(load)
@@ -327,26 +368,59 @@ class Disaggregation:
         try:
             body = _encoder.encode(placed(prefill_request, selection))
             client = entry.clients[WorkerRole.PREFILL]
-            handoff: DisaggregatedParams | None = None
-            async for outs in transport(client, body, ctx, selection.instance_id, timeouts):
-                for out in outs:
-                    if out.worker_trace_link is not None and on_link is not None:
-                        on_link(out.worker_trace_link)
-                    if out.finish_reason is FinishReason.ERROR:
-                        raise Unknown(f"remote prefill failed: {out.error or 'engine error'}")
-                    if out.finish_reason is FinishReason.CANCELLED:
-                        raise Cancelled("the prefill worker cancelled the request")
-                    if out.finish_reason is not None:
-                        handoff = out.disaggregated_params
-            if handoff is None:
-                raise StreamIncomplete(
-                    f"prefill worker {selection.instance_id:x} returned no KV handoff"
-                )
-            return handoff
+            terminal: LLMEngineOutput | None = None
+            try:
+                async for outs in transport(client, body, ctx, selection.instance_id, timeouts):
+                    for out in outs:
+                        if out.worker_trace_link is not None and on_link is not None:
+                            on_link(out.worker_trace_link)
+                        if out.finish_reason is not None:
+                            terminal = out
+            except DynamoError as exc:
+                if is_instance_fault(exc):  # out of routing at once (a retry avoids it)
+                    entry.report_down(selection.instance_id)
+                raise
+            return handoff_of(terminal, selection.instance_id)
         finally:
             load.free()
             state.inflight -= 1
             self._gauges(model, len(entry.live_instance_ids(WorkerRole.PREFILL)))
+
+    async def _queued_prefill(
+        self,
+        entry: ModelEntry[ModelPipeline],
+        request: PreprocessedRequest,
+        ctx: Context,
+        timeouts: Timeouts,
+        on_link: Callable[[TraceLink], None] | None,
+    ) -> DisaggregatedParams:
+        """Dispatch ``queue``: the prefill through the model's global prefill queue."""
+        assert self._queue is not None
+        model = entry.name
+        self._count(model, "remote")
+        state = self._state(model)
+        state.inflight += 1
+        self._gauges(model, 0)
+        try:
+            reply = await self._queue.prefill(
+                model,
+                request,
+                ctx,
+                timeouts.first_response_s,
+                lambda: len(entry.live_instance_ids(WorkerRole.PREFILL)),
+            )
+        finally:
+            state.inflight -= 1
+            self._gauges(model, 0)
+        if reply.error_kind is not None:
+            exc = from_kind(reply.error_kind, reply.error or "")
+            if is_instance_fault(exc):
+                entry.report_down(reply.worker_id)
+            raise exc
+        out = reply.output
+        if out is not None and out.worker_trace_link is not None and on_link is not None:
+            on_link(out.worker_trace_link)
+        return handoff_of(out, reply.worker_id)
 
     def _count(self, model: str, placement: str) -> None:
         if self._metrics is not None:
@@ -357,7 +431,23 @@ class Disaggregation:
         if m is not None:
             state = self._state(model)
             m.disagg_remote_inflight.labels(model).set(state.inflight)
-            m.disagg_queue_depth.labels(model).set(self.queue_depth(model, num_prefill_workers))
+            if self._queue is None:  # queue mode: the queue's own depth, read per decision
+                depth = self.queue_depth(model, num_prefill_workers)
+                m.disagg_queue_depth.labels(model).set(depth)
+
+
+def handoff_of(terminal: LLMEngineOutput | None, worker_id: int) -> DisaggregatedParams:
+    """The handoff in a prefill's terminal chunk; raises for a prefill that did not end with
+    one (engine error: ``Unknown``; cancelled: ``Cancelled``; none: ``StreamIncomplete``)."""
+    if terminal is None:
+        raise StreamIncomplete(f"prefill worker {worker_id:x} ended without a terminal chunk")
+    if terminal.finish_reason is FinishReason.ERROR:
+        raise Unknown(f"remote prefill failed: {terminal.error or 'engine error'}")
+    if terminal.finish_reason is FinishReason.CANCELLED:
+        raise Cancelled("the prefill worker cancelled the request")
+    if terminal.disaggregated_params is None:
+        raise StreamIncomplete(f"prefill worker {worker_id:x} returned no KV handoff")
+    return terminal.disaggregated_params
 
 
 def prefill_only(request: PreprocessedRequest) -> PreprocessedRequest:

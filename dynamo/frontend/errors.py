@@ -77,6 +77,7 @@ _DYNAMO_STATUS: list[tuple[type[E.DynamoError], int]] = [
     (E.ConnectionTimeout, 504),
     (E.StreamIncomplete, 502),
     (E.Disconnected, 502),
+    (E.KVTransferFailed, 502),
 ]
 
 # (OpenAI error type, metrics label) where the status alone does not say it

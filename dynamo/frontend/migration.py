@@ -11,9 +11,11 @@ Migratable: the instance could not be reached or went away (``CannotConnect``,
 ``ConnectionTimeout``, ``Disconnected``, ``NoInstances`` from the transport), the stream ended
 without ``complete_final`` (``StreamIncomplete``), the instance stopped answering
 (``ResponseTimeout``), it is shutting down (``EngineShutdown``, ``WorkerShutdown``) or it is
-overloaded (``Overloaded``). Never: cancellation (``Cancelled``, or the context stopped),
-invalid input, engine errors, and requests whose output depends on the whole prompt being the
-client's (guided decoding, as the reference; prompt log-probabilities).
+overloaded (``Overloaded``); in disaggregated serving, the prefill worker failed (the same
+errors from the remote prefill; the decode worker could not fetch the KV: ``KVTransferFailed``).
+Never: cancellation (``Cancelled``, or the context stopped), invalid input, engine errors, and
+requests whose output depends on the whole prompt being the client's (guided decoding, as the
+reference; prompt log-probabilities).
 
 The limit is the frontend's ``--migration-limit`` when set, else what the model's workers
 advertise in their cards. ``DYN_MIGRATION_MAX_SEQ_LEN``: once prompt + generated exceeds it
@@ -38,6 +40,7 @@ from dynamo.runtime.errors import (
     Disconnected,
     DynamoError,
     EngineShutdown,
+    KVTransferFailed,
     NoInstances,
     Overloaded,
     ResponseTimeout,
@@ -59,7 +62,9 @@ INSTANCE_FAULTS: tuple[type[DynamoError], ...] = (
 )
 """Failures of an attempt that implicate its instance: it leaves routing at once."""
 
-MIGRATABLE: tuple[type[DynamoError], ...] = (*INSTANCE_FAULTS, Overloaded)
+MIGRATABLE: tuple[type[DynamoError], ...] = (*INSTANCE_FAULTS, Overloaded, KVTransferFailed)
+"""``KVTransferFailed``: the decode worker could not fetch the prompt's KV from its prefill
+worker; the decode worker is fine (it stays in routing) and a new attempt prefills again."""
 
 
 def is_instance_fault(exc: BaseException) -> bool:

@@ -40,7 +40,15 @@ from dynamo.pytorch.sampler import (
 )
 from dynamo.pytorch.step_thread import Abort, Add, Call, EngineStats, StepReport, StepThread
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
+from dynamo.runtime.errors import (
+    CannotConnect,
+    DynamoError,
+    EngineShutdown,
+    InvalidArgument,
+    KVTransferFailed,
+    StreamIncomplete,
+    Unknown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -270,18 +278,30 @@ class TorchEngine(LLMEngine):
         the network while the step thread keeps stepping other requests; then the request is
         admitted as a local one whose prefix is cached. Blocks this engine already caches are
         not pulled; a prefill worker that evicted some gives a shorter run (the rest is computed
-        here). A failed pull fails the request (``CannotConnect`` / ``StreamIncomplete``)."""
+        here). A failed pull fails the request with ``KVTransferFailed`` (the prefill worker
+        failed, not this one: a frontend with migration on prefills again); nothing is
+        allocated before the bytes are in, so a failed pull holds no block."""
         if self.transfer is None:
             raise InvalidArgument("this decode worker has no KV transfer agent")
+        try:
+            await self._pull_prompt(request, handoff, self.transfer)
+        except (CannotConnect, StreamIncomplete, Unknown) as exc:
+            raise KVTransferFailed(
+                f"KV of the prompt from prefill worker {handoff.prefill_worker_id:x}: {exc}"
+            ) from exc
+
+    async def _pull_prompt(
+        self, request: PreprocessedRequest, handoff: DisaggregatedParams, agent: KVTransferAgent
+    ) -> None:
         hashes = handoff.block_hashes
         loaded = self._require_loaded()
-        peer_layout = (await self.transfer.peer(handoff.prefill_worker_id)).layout
+        peer_layout = (await agent.peer(handoff.prefill_worker_id)).layout
         start = 0  # another layout names its blocks differently: pull them all
         if peer_layout == msgspec.to_builtins(loaded.cache.layout):
             start = await self._call(lambda: self._scheduler().kv.num_cached_prefix(hashes))
             if start >= len(hashes):
                 return  # a decode-side prefix hit covers the whole prompt
-        received = await self.transfer.pull(handoff.prefill_worker_id, hashes[start:])
+        received = await agent.pull(handoff.prefill_worker_id, hashes[start:])
         if not received.block_hashes:
             return
         layout = msgspec.convert(received.layout, KVLayout)

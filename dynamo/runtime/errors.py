@@ -15,6 +15,8 @@
     ├── ResponseTimeout        no response in time
     ├── Disconnected           the transport connection was lost mid-stream
     ├── ConnectionTimeout      connecting timed out
+    ├── KVTransferFailed       a decode worker could not fetch its prompt's KV from the
+    │                          prefill worker (that worker failed, not the one reporting it)
     └── Unknown                anything else (wrapped at process edges)
 
 Errors cross process boundaries by ``kind`` (the class name) and message; :func:`from_kind` turns
@@ -91,6 +93,10 @@ class ConnectionTimeout(DynamoError):
     pass
 
 
+class KVTransferFailed(DynamoError):
+    pass
+
+
 class Unknown(DynamoError):
     pass
 
@@ -111,6 +117,7 @@ _KINDS: dict[str, type[DynamoError]] = {
         ResponseTimeout,
         Disconnected,
         ConnectionTimeout,
+        KVTransferFailed,
         Unknown,
     )
 }

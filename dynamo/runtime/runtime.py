@@ -45,6 +45,8 @@ from dynamo.runtime.work_queue.base import (
 )
 from dynamo.runtime.work_queue.jetstream import JetStreamWorkQueue
 from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
+from dynamo.runtime.work_queue.served import QueueHost, ServedWorkQueue
+from dynamo.runtime.work_queue.served import endpoint_id as served_queue_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class DistributedRuntime:
         self._served: dict[tuple[EndpointId, int], ServedEndpoint] = {}
         self._clients: list[EndpointClient] = []
         self._queues: list[WorkQueue] = []
+        self._queue_host: QueueHost | None = None
         self._started = False
         self._stopped = False
         self._lease_watch: asyncio.Task[None] | None = None
@@ -141,14 +144,16 @@ class DistributedRuntime:
         if self._lease_watch is not None:
             self._lease_watch.cancel()
             await asyncio.gather(self._lease_watch, return_exceptions=True)
+        for queue in self._queues:  # first: a handle gives its unsettled items back
+            await queue.close()
+        if self._queue_host is not None:
+            await self._queue_host.close()
         for served in list(self._served.values()):
             await self.unserve(served)
         if self._server is not None:
             await self._server.stop()
         for client in self._clients:
             await client.close()
-        for queue in self._queues:
-            await queue.close()
         if self._transport is not None:
             await self._transport.close()
         if self._events is not None:
@@ -239,14 +244,21 @@ class DistributedRuntime:
         *,
         max_depth: int = DEFAULT_MAX_DEPTH,
         redelivery_timeout: float = DEFAULT_REDELIVERY_TIMEOUT,
+        host: bool = False,
     ) -> WorkQueue:
         """A started handle on the namespace's work queue ``name``; closed with the runtime.
 
         Every process of the namespace that opens ``name`` shares one queue. Its limits are set
-        by the first opener; later openers must pass the same ones.
+        by the first opener; later openers must pass the same ones. ``host``: this process
+        keeps the items when the queue is served over the request plane (no NATS, several
+        processes: ``work_queue/served.py``; the producer hosts); ignored by the backends
+        whose items live in a shared store (JetStream, the in-process hub).
         """
-        queue = self._make_work_queue(
-            f"{self.namespace}.{name}", max_depth=max_depth, redelivery_timeout=redelivery_timeout
+        queue = await self._make_work_queue(
+            f"{self.namespace}.{name}",
+            max_depth=max_depth,
+            redelivery_timeout=redelivery_timeout,
+            host=host,
         )
         await queue.start()
         self._queues.append(queue)
@@ -293,16 +305,28 @@ class DistributedRuntime:
             return LocalRequestPlaneClient(self._hub.requests)
         return TCPRequestPlaneClient()
 
-    def _make_work_queue(
-        self, name: str, *, max_depth: int, redelivery_timeout: float
+    async def _make_work_queue(
+        self, name: str, *, max_depth: int, redelivery_timeout: float, host: bool
     ) -> WorkQueue:
         if self._nats is not None:
             return JetStreamWorkQueue(
                 self._nats, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout
             )
         if self._hub is None:
-            raise ValueError(
-                "work queues need --event-plane nats (JetStream) or the one-process shape"
+            queue_host = None
+            if host:
+                if self._queue_host is None:
+                    self._queue_host = QueueHost()
+                    await self.serve_endpoint(
+                        served_queue_endpoint(self.namespace), self._queue_host.handle
+                    )
+                queue_host = self._queue_host
+            return ServedWorkQueue(
+                await self.client(served_queue_endpoint(self.namespace)),
+                name,
+                max_depth=max_depth,
+                redelivery_timeout=redelivery_timeout,
+                host=queue_host,
             )
         return LocalWorkQueue(
             self._hub.queues, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout

@@ -4,12 +4,13 @@ mocker worker behind the frontend; long prompts are prefilled remotely, short on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from prometheus_client import generate_latest
 
 from dynamo.backend.worker import Worker
-from dynamo.frontend.disagg import DisaggOverrides, set_overrides
+from dynamo.frontend.disagg import DisaggOverrides, DisaggSettings, set_overrides
 from dynamo.protocol.model_card import WorkerRole
 from tests.integration.conftest import Stack
 
@@ -219,3 +220,114 @@ async def test_block_accounting_returns_to_zero_after_500_requests_with_cancella
         for e in w.engines:
             e.check_invariants()  # type: ignore[attr-defined]
     assert handoffs(stack.workers[0]) > 50
+
+
+def queue_tasks(worker: Worker) -> int:
+    """Prefill tasks the worker took from the global prefill queue (dispatch ``queue``)."""
+    return sum(r.consumer.tasks_done for r in worker._regs if r.consumer is not None)
+
+
+async def test_queue_dispatch_prefills_long_prompts_through_the_queue(stack: Stack) -> None:
+    await disagg_stack(stack, router_mode="kv", disagg=DisaggSettings(dispatch="queue"))
+    prefill, decode = stack.workers
+    for i in range(3):
+        body = await chat(stack, long_prompt(f"queued{i}"))
+        assert body["usage"]["completion_tokens"] == 8
+    await chat(stack, "a short question")
+    assert queue_tasks(prefill) == 3
+    assert handoffs(prefill) == handoffs(decode) == 3
+    placed = 'dynamo_frontend_disagg_prefills_total{model="demo",placement='
+    assert frontend_metric(stack, placed + '"remote"}') == 3
+    assert frontend_metric(stack, placed + '"local"}') == 1
+    assert [blocks_in_use(w) for w in stack.workers] == [0, 0]
+
+
+async def test_queue_prefill_workers_join_and_leave_under_load(stack: Stack) -> None:
+    """Runtime-reconfigurable xPyD: while requests keep coming, a second prefill worker joins
+    and the first leaves (graceful shutdown); no request fails, and both took queued work."""
+    timed = ("--speedup-ratio", "1", "--block-size", "16", "--num-gpu-blocks-override", "4096")
+    first = await stack.add_worker(*timed, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*timed, "--disaggregation-mode", "decode")
+    # Every prompt goes remote (no queue bound), so every request is one queued task.
+    queue = DisaggSettings(dispatch="queue", max_prefill_queue_size=1000)
+    await stack.start_frontend(router_mode="kv", disagg=queue)
+    await stack.wait_for_model()
+    failures: list[str] = []
+    done = 0
+    running = True
+
+    async def client_loop(c: int) -> None:
+        nonlocal done
+        assert stack.client is not None
+        i = 0
+        while running:
+            i += 1
+            r = await stack.client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "demo",
+                    "messages": [{"role": "user", "content": long_prompt(f"c{c}r{i}", 300)}],
+                    "max_tokens": 4,
+                    "ignore_eos": True,
+                },
+            )
+            if r.status_code != 200:
+                failures.append(r.text)
+            done += 1
+
+    clients = [asyncio.create_task(client_loop(c)) for c in range(6)]
+    try:
+        async with asyncio.timeout(30):
+            while queue_tasks(first) < 10:
+                await asyncio.sleep(0.02)
+            second = await stack.add_worker(*timed, "--disaggregation-mode", "prefill")
+            while queue_tasks(second) < 5:
+                await asyncio.sleep(0.02)
+            first.request_shutdown()
+            await stack.tasks[0]
+            taken_by_first = queue_tasks(first)
+            before = queue_tasks(second)
+            while queue_tasks(second) < before + 10:
+                await asyncio.sleep(0.02)
+    finally:
+        running = False
+        await asyncio.gather(*clients)
+    assert failures == []
+    assert queue_tasks(first) == taken_by_first  # nothing after it left
+    assert done >= 25 and queue_tasks(first) + queue_tasks(second) == done
+
+
+@pytest.mark.parametrize("dispatch", ["route", "queue"])
+async def test_a_prefill_worker_that_dies_mid_prefill_gives_a_migration(
+    stack: Stack, dispatch: str
+) -> None:
+    """With migration on, a prefill worker that goes away in the middle of a remote prefill
+    (no grace period: its engine is torn down under the request) does not fail the request:
+    the attempt starts again without it (here: the prompt is prefilled on the decode worker,
+    no prefill worker being left) and no block stays held on either side."""
+    slow = ("--speedup-ratio", "0.05")
+    prefill = await stack.add_worker(*MOCKER[2:], *slow, "--disaggregation-mode", "prefill")
+    prefill.config = dataclasses.replace(prefill.config, graceful_shutdown_timeout=0.0)
+    decode = await stack.add_worker(*MOCKER, "--disaggregation-mode", "decode")
+    await stack.start_frontend(
+        router_mode="kv", migration_limit=1, disagg=DisaggSettings(dispatch=dispatch)
+    )
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    async with asyncio.timeout(10):
+        while not stack.frontend.registry.get("demo").live_instance_ids(WorkerRole.PREFILL):
+            await asyncio.sleep(0.02)
+    pending = asyncio.create_task(chat(stack, long_prompt("doomed", 700)))
+    async with asyncio.timeout(10):  # the prefill is running on the prefill worker
+        while not any(r.adapter.num_inflight for r in prefill._regs):
+            await asyncio.sleep(0.01)
+    prefill.request_shutdown()
+    body = await asyncio.wait_for(pending, 30)
+    assert body["usage"]["completion_tokens"] == 8
+    migrated = 'dynamo_frontend_model_migration_total{migration_type="new_request",model="demo"}'
+    assert frontend_metric(stack, migrated) == 1
+    assert handoffs(decode) == 0  # prefilled locally in the end
+    await stack.tasks[0]
+    assert blocks_in_use(decode) == 0
+    for e in decode.engines:
+        e.check_invariants()  # type: ignore[attr-defined]

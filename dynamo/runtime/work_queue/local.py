@@ -79,13 +79,16 @@ class LocalQueueStore:
     """The shared state of in-process queues, by name. The first handle to open a name sets its
     limits; later handles must agree (as they would have to on a JetStream stream)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_item_id: int = 1) -> None:
+        """``first_item_id``: where item ids start (a store served to other processes starts
+        at a random point, so that a consumer pulling from several stores sees distinct ids)."""
         self._queues: dict[str, _QueueState] = {}
+        self._first_item_id = first_item_id
 
     def open(self, name: str, max_depth: int, redelivery_timeout: float) -> _QueueState:
         state = self._queues.get(name)
         if state is None:
-            state = _QueueState(max_depth, redelivery_timeout)
+            state = _QueueState(max_depth, redelivery_timeout, next_id=self._first_item_id)
             self._queues[name] = state
         elif (state.max_depth, state.redelivery_timeout) != (max_depth, redelivery_timeout):
             raise ValueError(f"work queue {name!r} already exists with other limits")
@@ -121,6 +124,10 @@ class LocalWorkQueue:
     @property
     def max_depth(self) -> int:
         return self._state.max_depth
+
+    @property
+    def redelivery_timeout(self) -> float:
+        return self._state.redelivery_timeout
 
     async def start(self) -> None:
         if self._closed:

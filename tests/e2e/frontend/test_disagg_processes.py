@@ -161,3 +161,59 @@ def test_dynamo_serve_runs_a_disaggregated_stack() -> None:
         )
     finally:
         child.stop()
+
+
+def test_queue_dispatch_across_processes_prefill_workers_join_and_leave() -> None:
+    """Dispatch ``queue`` on one machine (the frontend hosts the prefill queue over its TCP
+    request plane): under a steady load a second prefill worker joins and the first leaves on
+    SIGTERM; no request fails, both workers' /metrics show the prefills they pulled."""
+    stack = Stack()
+    try:
+        p1_port, p2_port = free_port(), free_port()
+        prefill = ("--disaggregation-mode", "prefill", "--speedup-ratio", "1")
+        first = stack.mocker("demo", *MOCKER, *prefill, DYN_SYSTEM_PORT=str(p1_port))
+        stack.mocker("demo", *MOCKER, "--disaggregation-mode", "decode", "--speedup-ratio", "1")
+        stack.frontend(
+            "--router-mode", "kv", "--prefill-dispatch", "queue", "--max-prefill-queue-size", "1000"
+        )
+        wait_http(stack.port, "/v1/models")
+        handoffs = "dynamo_component_disagg_handoffs_total"
+        tries = iter(range(1000))
+        wait_for(
+            lambda: (
+                chat(stack.port, long_prompt(f"warm{next(tries)}"))[0] == 200
+                and metric_sum(p1_port, handoffs) >= 1
+            ),
+            "a long prompt prefilled through the queue",
+        )
+        failures: list[object] = []
+        running = threading.Event()
+        running.set()
+
+        def load(c: int) -> None:
+            i = 0
+            while running.is_set():
+                i += 1
+                status, body = chat(stack.port, long_prompt(f"c{c}r{i}", 300))
+                if status != 200:
+                    failures.append(body)
+
+        threads = [threading.Thread(target=load, args=(c,)) for c in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            stack.mocker("demo", *MOCKER, *prefill, DYN_SYSTEM_PORT=str(p2_port))
+            wait_for(lambda: metric_sum(p2_port, handoffs) >= 3, "the new prefill worker pulls")
+            taken = metric_sum(p1_port, handoffs)
+            first.popen.send_signal(signal.SIGTERM)
+            assert first.popen.wait(30) == 0
+            after = metric_sum(p2_port, handoffs)
+            wait_for(lambda: metric_sum(p2_port, handoffs) >= after + 5, "the second one serves alone")
+        finally:
+            running.clear()
+            for t in threads:
+                t.join(60)
+        assert failures == []
+        assert taken >= 1
+    finally:
+        stack.close()

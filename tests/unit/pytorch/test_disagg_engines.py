@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from dynamo.backend.kv_transfer import KVTransferAgent
+from dynamo.frontend.migration import is_instance_fault, is_migratable
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import TorchEngine
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
+from dynamo.runtime.errors import KVTransferFailed
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 from tests.tiny_models import hf_greedy
 
@@ -81,6 +85,47 @@ async def test_decode_engine_pulls_what_it_lacks_and_matches_aggregated(
         received = set(prefill.scheduler.kv.cached_blocks())
         for event in stored:  # only blocks the decode engine computed itself are announced
             assert not {b.block_hash for b in event.data.blocks} & received  # type: ignore[union-attr]
+    finally:
+        await decode.cleanup()
+        await prefill.cleanup()
+        await rt_d.shutdown()
+        await rt_p.shutdown()
+
+
+async def test_a_failed_pull_is_a_kv_transfer_failure_and_holds_no_block(
+    tiny_llama: Path,
+) -> None:
+    """The prefill worker's agent is gone when the decode engine pulls: the request fails with
+    ``KVTransferFailed`` (migratable, and not a fault of the decode worker) and the decode pool
+    holds nothing."""
+    hub = InProcessHub()
+    rt_p, rt_d = DistributedRuntime(RUNTIME, hub), DistributedRuntime(RUNTIME, hub)
+    await rt_p.start()
+    await rt_d.start()
+    settings = {"model_path": str(tiny_llama), "block_size": 16, "num_gpu_blocks_override": 64}
+    agent_p, agent_d = KVTransferAgent(rt_p, None), KVTransferAgent(rt_d, None)
+    prefill = TorchEngine(
+        TorchEngineConfig(**settings, disaggregation_mode="prefill"), transfer=agent_p
+    )  # type: ignore[arg-type]
+    agent_p.serve(prefill.export_for_peer)
+    decode = TorchEngine(
+        TorchEngineConfig(**settings, disaggregation_mode="decode"), transfer=agent_d
+    )  # type: ignore[arg-type]
+    await prefill.start(0xA)
+    await decode.start(0xB)
+    try:
+        prompt = list(range(30, 100))
+        outs = [o async for o in prefill.generate(request(prompt), Context())]
+        handoff = outs[-1].disaggregated_params
+        await agent_d.peer(0xA)  # its descriptor is cached: the pull itself fails
+        await agent_p.close()
+        with pytest.raises(KVTransferFailed):
+            async for _ in decode.generate(request(prompt, handoff), Context()):
+                pass
+        await decode.check_invariants()
+        assert decode.scheduler is not None
+        assert decode.scheduler.kv.num_active_blocks == 0
+        assert not is_instance_fault(KVTransferFailed()) and is_migratable(KVTransferFailed())
     finally:
         await decode.cleanup()
         await prefill.cleanup()

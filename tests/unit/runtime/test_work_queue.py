@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.errors import Overloaded
 from dynamo.runtime.nats_client import connect_nats
+from dynamo.runtime.runtime import DistributedRuntime
 from dynamo.runtime.work_queue.base import QueueDepth, WorkQueue
 from dynamo.runtime.work_queue.jetstream import JetStreamWorkQueue
 from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
@@ -20,11 +23,13 @@ from tests.servers import NatsServer
 OpenQueue = Callable[[int, float], Awaitable[WorkQueue]]
 
 
-@pytest.fixture(params=["local", "jetstream"])
-async def open_queue(request: pytest.FixtureRequest) -> AsyncIterator[OpenQueue]:
-    """Handles on one queue, each as a separate "process" (its own NATS connection)."""
+@pytest.fixture(params=["local", "jetstream", "served"])
+async def open_queue(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[OpenQueue]:
+    """Handles on one queue, each as a separate "process" (its own NATS connection; served:
+    its own runtime on file discovery and the TCP request plane, the first one hosting)."""
     handles: list[WorkQueue] = []
     clients: list[NatsClient] = []
+    runtimes: list[DistributedRuntime] = []
     store = LocalQueueStore()
     server: NatsServer | None = None
     if request.param == "jetstream":
@@ -32,6 +37,22 @@ async def open_queue(request: pytest.FixtureRequest) -> AsyncIterator[OpenQueue]
 
     async def open_(max_depth: int, redelivery_timeout: float) -> WorkQueue:
         queue: WorkQueue
+        if request.param == "served":
+            runtime = DistributedRuntime(
+                RuntimeConfig(namespace="wq", discovery_dir=str(tmp_path), lease_ttl=5.0)
+            )
+            await runtime.start()
+            runtimes.append(runtime)
+            queue = await runtime.work_queue(
+                "prefill",
+                max_depth=max_depth,
+                redelivery_timeout=redelivery_timeout,
+                host=len(runtimes) == 1,
+            )
+            if len(runtimes) > 1:  # the host is in discovery before the handle is used
+                await queue._client.wait_for_instances(1, timeout=5)  # type: ignore[attr-defined]
+            handles.append(queue)
+            return queue
         if server is None:
             queue = LocalWorkQueue(
                 store, "prefill", max_depth=max_depth, redelivery_timeout=redelivery_timeout
@@ -51,6 +72,8 @@ async def open_queue(request: pytest.FixtureRequest) -> AsyncIterator[OpenQueue]
         await handle.close()
     for client in clients:
         await client.close()
+    for runtime in reversed(runtimes):
+        await runtime.shutdown()
 
 
 async def test_fifo_pull_ack_and_depth(open_queue: OpenQueue) -> None:
