@@ -91,7 +91,7 @@ async def _pull_agent(port: int, blocks: int, rounds: int) -> tuple[float, int]:
     size = 0
     for _ in range(rounds):
         t = time.perf_counter()
-        got = await agent.pull(1, hashes)
+        (got,) = await agent.pull(1, hashes)
         rates.append(len(got.data) / (time.perf_counter() - t))
         size = len(got.data)
     return statistics.median(rates), size

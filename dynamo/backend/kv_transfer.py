@@ -51,14 +51,34 @@ def descriptor_key(namespace: str, instance_id: int) -> str:
     return f"v1/kv_transfer/{namespace}/{instance_id:x}"
 
 
+class ShardAddress(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of a worker whose KV pool is split across ranks (tensor parallelism splits the
+    KV heads): where that rank's agent listens and the layout of its share."""
+
+    host: str
+    port: int
+    layout: dict[str, object]
+
+
 class AgentDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     """What a peer needs to pull from a worker: its agent's address and its KV layout (opaque to
-    the agent: the engine's own layout struct, as msgpack-able data)."""
+    the agent: the engine's own layout struct, as msgpack-able data). A worker whose pool is
+    split in shards lists them (``shards``): a pull then fetches every shard, and ``layout`` is
+    the whole pool's."""
 
     host: str
     port: int
     layout: dict[str, object]
     num_blocks: int = 0
+    shards: list[ShardAddress] = msgspec.field(default_factory=list)
+
+
+async def publish_descriptor(
+    runtime: DistributedRuntime, instance_id: int, descriptor: AgentDescriptor
+) -> None:
+    """Publish ``instance_id``'s descriptor under the runtime's lease (it leaves with it)."""
+    key = descriptor_key(runtime.namespace, instance_id)
+    await runtime.discovery.put(key, _encoder.encode(descriptor), runtime.lease)
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,8 +161,7 @@ class KVTransferAgent:
         descriptor = AgentDescriptor(
             host=self._host, port=self.port, layout=layout, num_blocks=num_blocks
         )
-        key = descriptor_key(self._runtime.namespace, instance_id)
-        await self._runtime.discovery.put(key, _encoder.encode(descriptor), self._runtime.lease)
+        await publish_descriptor(self._runtime, instance_id, descriptor)
         log.info("KV transfer agent of %x listening on %s:%d", instance_id, self._host, self.port)
 
     async def close(self) -> None:
@@ -208,15 +227,39 @@ class KVTransferAgent:
             descriptor = self._peers[instance_id] = _descriptor_decoder.decode(kv.value)
         return descriptor
 
-    async def pull(self, instance_id: int, block_hashes: list[int]) -> ExportedBlocks:
+    async def pull(self, instance_id: int, block_hashes: list[int]) -> list[ExportedBlocks]:
         """The leading run of ``block_hashes`` that ``instance_id`` still caches, with their
-        bytes. Raises ``CannotConnect`` (peer unreachable), ``StreamIncomplete`` (cut short or
-        too slow) or ``Unknown`` (the peer refused)."""
+        bytes: one answer, or one per shard (in the descriptor's order, pulled at once) from a
+        worker whose pool is split. Raises ``CannotConnect`` (peer unreachable),
+        ``StreamIncomplete`` (cut short or too slow) or ``Unknown`` (the peer refused)."""
         descriptor = await self.peer(instance_id)
+        if not descriptor.shards:
+            return [
+                await self._pull_one(
+                    instance_id, descriptor.host, descriptor.port, descriptor.layout, block_hashes
+                )
+            ]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._pull_one(instance_id, s.host, s.port, s.layout, block_hashes)
+                    for s in descriptor.shards
+                )
+            )
+        )
+
+    async def _pull_one(
+        self,
+        instance_id: int,
+        host: str,
+        port: int,
+        layout: dict[str, object],
+        block_hashes: list[int],
+    ) -> ExportedBlocks:
         started = time.perf_counter()
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(descriptor.host, descriptor.port, limit=_STREAM_LIMIT),
+                asyncio.open_connection(host, port, limit=_STREAM_LIMIT),
                 REQUEST_TIMEOUT_S,
             )
         except (OSError, TimeoutError) as exc:
@@ -239,7 +282,8 @@ class KVTransferAgent:
         self.stats.pulls += 1
         self.stats.bytes_received += len(data)
         self.stats.seconds_receiving += time.perf_counter() - started
-        layout = header.layout if header.layout is not None else descriptor.layout
+        if header.layout is not None:
+            layout = header.layout
         return ExportedBlocks(layout, header.block_hashes, header.local_hashes, data)
 
 

@@ -29,7 +29,7 @@ from dynamo.protocol.request import GuidedDecodingOptions, PreprocessedRequest
 from dynamo.pytorch.collector import Collector
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.guided import decoder_for_model
-from dynamo.pytorch.kv_cache import KVBlocks, KVLayout
+from dynamo.pytorch.kv_cache import KVBlocks, KVLayout, merge_head_shards
 from dynamo.pytorch.loader import LoadedModel, load_model
 from dynamo.pytorch.sampler import (
     MAX_TOP_LOGPROBS,
@@ -302,20 +302,28 @@ class TorchEngine(LLMEngine):
             if start >= len(hashes):
                 return  # a decode-side prefix hit covers the whole prompt
         received = await agent.pull(handoff.prefill_worker_id, hashes[start:])
-        if not received.block_hashes:
+        if not all(part.block_hashes for part in received):
             return
-        layout = msgspec.convert(received.layout, KVLayout)
-        blocks = KVBlocks(
-            layout=layout,
-            block_hashes=received.block_hashes,
-            local_hashes=received.local_hashes,
-            data=received.data,
-        )
+        parts = [
+            KVBlocks(
+                layout=msgspec.convert(part.layout, KVLayout),
+                block_hashes=part.block_hashes,
+                local_hashes=part.local_hashes,
+                data=part.data,
+            )
+            for part in received
+        ]
         tokens = request.token_ids
 
         def store() -> int:
-            # Should the cached lead be evicted meanwhile, the prefix lookup stops there and the
-            # request computes the rest: correct either way.
+            # The head shards of a split prefill pool are put side by side first (CPU work:
+            # here on the step thread, not on the event loop). Should the cached lead be
+            # evicted meanwhile, the prefix lookup stops there and the request computes the
+            # rest: correct either way.
+            try:
+                blocks = parts[0] if len(parts) == 1 else merge_head_shards(parts)
+            except ValueError as exc:  # the peer's shards do not fit together
+                raise Unknown(f"KV head shards: {exc}") from exc
             return loaded.import_blocks(self._scheduler(), blocks, announce=False, token_ids=tokens)
 
         await self._call(store)

@@ -25,13 +25,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     """Shape of the exported bytes. Import requires an identical layout (same model and
-    block size; the dtype names a torch dtype: ``float32``, ``bfloat16``, ``float16``)."""
+    block size; the dtype names a torch dtype: ``float32``, ``bfloat16``, ``float16``);
+    :func:`convert_blocks` re-lays another one.
+
+    Tensor parallelism splits the KV heads: a pool (one rank's) holds the ``num_kv_heads``
+    heads ``[head_start, head_start + num_kv_heads)`` of the model's ``total_kv_heads``
+    (0: all of them, the TP=1 pool of this engine)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    head_start: int = 0
+    total_kv_heads: int = 0
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def head_stop(self) -> int:
+        return self.head_start + self.num_kv_heads
 
 
 class KVBlocks(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,28 +124,86 @@ def contiguous_runs(slots: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def convert_blocks(blocks: KVBlocks, layout: KVLayout, token_ids: list[int]) -> KVBlocks:
-    """``blocks`` re-laid for an engine of ``layout`` (the same model: layers, KV heads and head
-    size agree; block size and dtype may differ). The exported bytes are token-major within
-    each (layer, K/V) section, so another block size only regroups the same tokens: the result
-    holds the whole blocks of ``layout.block_size`` that the received tokens cover, named by
-    hashes of ``token_ids`` (the prompt those blocks hold) at that block size."""
+def _sections(blocks: KVBlocks) -> torch.Tensor:
+    """The bytes of ``blocks`` as ``[2 * layers, tokens, heads, head_dim]`` (a view)."""
     src = blocks.layout
-    if (src.num_layers, src.num_kv_heads, src.head_dim) != (
+    tokens = len(blocks.block_hashes) * src.block_size
+    flat = torch.frombuffer(bytearray(blocks.data), dtype=torch.uint8).view(_DTYPES[src.dtype])
+    return flat.view(2 * src.num_layers, tokens, src.num_kv_heads, src.head_dim)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+
+def merge_head_shards(parts: list[KVBlocks]) -> KVBlocks:
+    """One run of blocks from the head shards of a tensor-parallel pool (each rank's export of
+    the same blocks): the heads side by side, in head order. The shards must be contiguous in
+    heads and agree on everything else; the common leading run of blocks is kept (a rank may
+    have evicted more)."""
+    if not parts:
+        raise ValueError("no KV head shards to merge")
+    parts = sorted(parts, key=lambda p: p.layout.head_start)
+    first = parts[0].layout
+    n = min(len(p.block_hashes) for p in parts)
+    stop = first.head_start
+    for p in parts:
+        lay = p.layout
+        same = (lay.num_layers, lay.block_size, lay.head_dim, lay.dtype, lay.model_kv_heads)
+        if same != (
+            first.num_layers,
+            first.block_size,
+            first.head_dim,
+            first.dtype,
+            first.model_kv_heads,
+        ):
+            raise ValueError(f"KV head shards {first} and {lay} are not of one pool")
+        if lay.head_start != stop:
+            raise ValueError(f"KV head shards leave a gap or overlap at head {stop}")
+        if p.block_hashes[:n] != parts[0].block_hashes[:n]:
+            raise ValueError("KV head shards hold different blocks")
+        stop = lay.head_stop
+    tokens = n * first.block_size
+    merged = torch.cat([_sections(p)[:, :tokens] for p in parts], dim=2)
+    layout = msgspec.structs.replace(first, num_kv_heads=stop - first.head_start)
+    if layout.head_start == 0 and stop == layout.model_kv_heads:
+        layout = msgspec.structs.replace(layout, total_kv_heads=0)  # the whole pool
+    return KVBlocks(
+        layout=layout,
+        block_hashes=parts[0].block_hashes[:n],
+        local_hashes=parts[0].local_hashes[:n],
+        data=_to_bytes(merged),
+    )
+
+
+def convert_blocks(blocks: KVBlocks, layout: KVLayout, token_ids: list[int]) -> KVBlocks:
+    """``blocks`` re-laid for an engine of ``layout`` (the same model: layers, the model's KV
+    heads and head size agree; block size, dtype and the head range may differ). The exported
+    bytes are token-major within each (layer, K/V) section, so another block size only
+    regroups the same tokens: the result holds the whole blocks of ``layout.block_size`` that
+    the received tokens cover, named by hashes of ``token_ids`` (the prompt those blocks hold)
+    at that block size. Another tensor-parallel split: the source's heads must cover
+    ``layout``'s, which are cut out (merge the shards of a split source first:
+    :func:`merge_head_shards`)."""
+    src = blocks.layout
+    if (src.num_layers, src.model_kv_heads, src.head_dim) != (
         layout.num_layers,
-        layout.num_kv_heads,
+        layout.model_kv_heads,
         layout.head_dim,
     ):
         raise ValueError(f"KV layout {src} cannot be converted to {layout} (another model?)")
+    if not src.head_start <= layout.head_start < layout.head_stop <= src.head_stop:
+        raise ValueError(
+            f"KV heads [{src.head_start}, {src.head_stop}) do not cover the "
+            f"[{layout.head_start}, {layout.head_stop}) this pool holds"
+        )
     tokens = len(blocks.block_hashes) * src.block_size
     if tokens > len(token_ids):
         raise ValueError("the received KV covers more tokens than the prompt has")
     n = tokens // layout.block_size
-    per_token = src.num_kv_heads * src.head_dim
-    flat = torch.frombuffer(bytearray(blocks.data), dtype=torch.uint8).view(_DTYPES[src.dtype])
-    sections = flat.view(2 * src.num_layers, tokens * per_token)
-    kept = sections[:, : n * layout.block_size * per_token].to(_DTYPES[layout.dtype])
-    data = kept.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    heads = slice(layout.head_start - src.head_start, layout.head_stop - src.head_start)
+    kept = _sections(blocks)[:, : n * layout.block_size, heads].to(_DTYPES[layout.dtype])
+    data = _to_bytes(kept)
     local = local_block_hashes(token_ids[: n * layout.block_size], layout.block_size)
     return KVBlocks(
         layout=layout, block_hashes=sequence_hashes(local), local_hashes=local, data=data

@@ -208,7 +208,9 @@ def test_queue_dispatch_across_processes_prefill_workers_join_and_leave() -> Non
             first.popen.send_signal(signal.SIGTERM)
             assert first.popen.wait(30) == 0
             after = metric_sum(p2_port, handoffs)
-            wait_for(lambda: metric_sum(p2_port, handoffs) >= after + 5, "the second one serves alone")
+            wait_for(
+                lambda: metric_sum(p2_port, handoffs) >= after + 5, "the second one serves alone"
+            )
         finally:
             running.clear()
             for t in threads:

@@ -42,7 +42,7 @@ async def pair() -> object:
 
 async def test_pull_moves_the_leading_cached_run(pair: tuple[KVTransferAgent, ...]) -> None:
     server, client = pair
-    got = await client.pull(0xA, [1, 2, 3, 200])
+    (got,) = await client.pull(0xA, [1, 2, 3, 200])
     assert got.block_hashes == [1, 2, 3] and got.local_hashes == [2, 3, 4]
     assert got.data == bytes(range(8)) * 3 and got.layout == LAYOUT
     assert (await client.peer(0xA)).port == server.port  # cached after the first pull
@@ -71,4 +71,4 @@ async def test_oversized_and_silent_clients_are_dropped(
     async with asyncio.timeout(5):
         assert await reader.read() == b""  # said nothing: closed by the server
     writer.close()
-    assert (await client.pull(0xA, [5])).block_hashes == [5]  # still serving
+    assert (await client.pull(0xA, [5]))[0].block_hashes == [5]  # still serving

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
+import torch
 
-from dynamo.backend.kv_transfer import KVTransferAgent
+from dynamo.backend.kv_transfer import (
+    AgentDescriptor,
+    ExportedBlocks,
+    KVTransferAgent,
+    ShardAddress,
+    publish_descriptor,
+)
 from dynamo.frontend.migration import is_instance_fault, is_migratable
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.engine import TorchEngine
+from dynamo.pytorch.kv_cache import KVBlocks, KVLayout
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import KVTransferFailed
@@ -22,6 +31,12 @@ from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 from tests.tiny_models import hf_greedy
 
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
+
+
+def engine_config(model: Path, mode: str) -> TorchEngineConfig:
+    return TorchEngineConfig(
+        model_path=str(model), block_size=16, num_gpu_blocks_override=64, disaggregation_mode=mode
+    )
 
 
 def request(tokens: list[int], handoff: object = None, max_tokens: int = 6) -> PreprocessedRequest:
@@ -102,15 +117,10 @@ async def test_a_failed_pull_is_a_kv_transfer_failure_and_holds_no_block(
     rt_p, rt_d = DistributedRuntime(RUNTIME, hub), DistributedRuntime(RUNTIME, hub)
     await rt_p.start()
     await rt_d.start()
-    settings = {"model_path": str(tiny_llama), "block_size": 16, "num_gpu_blocks_override": 64}
     agent_p, agent_d = KVTransferAgent(rt_p, None), KVTransferAgent(rt_d, None)
-    prefill = TorchEngine(
-        TorchEngineConfig(**settings, disaggregation_mode="prefill"), transfer=agent_p
-    )  # type: ignore[arg-type]
+    prefill = TorchEngine(engine_config(tiny_llama, "prefill"), transfer=agent_p)
     agent_p.serve(prefill.export_for_peer)
-    decode = TorchEngine(
-        TorchEngineConfig(**settings, disaggregation_mode="decode"), transfer=agent_d
-    )  # type: ignore[arg-type]
+    decode = TorchEngine(engine_config(tiny_llama, "decode"), transfer=agent_d)
     await prefill.start(0xA)
     await decode.start(0xB)
     try:
@@ -131,3 +141,97 @@ async def test_a_failed_pull_is_a_kv_transfer_failure_and_holds_no_block(
         await prefill.cleanup()
         await rt_d.shutdown()
         await rt_p.shutdown()
+
+
+def _head_shard(blocks: KVBlocks, start: int, stop: int) -> ExportedBlocks:
+    """What one rank of a tensor-parallel prefill worker holding KV heads [start, stop) of the
+    model would export: its heads of every (layer, K/V) section, in the wire's token-major
+    order ``[tokens, heads, head_dim]``."""
+    lay = blocks.layout
+    tokens = len(blocks.block_hashes) * lay.block_size
+    flat = torch.frombuffer(bytearray(blocks.data), dtype=torch.uint8).view(torch.float32)
+    sections = flat.view(2 * lay.num_layers, tokens, lay.num_kv_heads, lay.head_dim)
+    part = sections[:, :, start:stop].contiguous().view(torch.uint8).numpy().tobytes()
+    layout = msgspec.structs.replace(
+        lay, num_kv_heads=stop - start, head_start=start, total_kv_heads=lay.num_kv_heads
+    )
+    return ExportedBlocks(
+        layout=msgspec.to_builtins(layout),
+        block_hashes=blocks.block_hashes,
+        local_hashes=blocks.local_hashes,
+        data=part,
+    )
+
+
+async def test_decode_engine_merges_a_prefill_pool_split_in_head_shards(
+    tiny_llama: Path,
+) -> None:
+    """A prefill worker whose KV heads are split over two ranks (as tensor parallelism splits
+    them: here the heads of a real prefill engine's pool served by two agents, one per head
+    range, behind one descriptor that lists both shards) and a decode engine holding all the
+    heads: the decode engine pulls both shards, puts the heads side by side and its greedy
+    output equals the aggregated one. What is real: the bytes, both transfers, the merge, the
+    import and the decode; what is modelled: the split (our engine computes with TP=1)."""
+    hub = InProcessHub()
+    rt_p, rt_d = DistributedRuntime(RUNTIME, hub), DistributedRuntime(RUNTIME, hub)
+    await rt_p.start()
+    await rt_d.start()
+    prefill = TorchEngine(engine_config(tiny_llama, "prefill"))
+    agent_d = KVTransferAgent(rt_d, None)
+    decode = TorchEngine(engine_config(tiny_llama, "decode"), transfer=agent_d)
+    await prefill.start(0xA)
+    await decode.start(0xB)
+    assert prefill.loaded is not None
+    whole = prefill.loaded.cache.layout
+    heads = whole.num_kv_heads
+    assert heads >= 2
+    ranges = [(0, heads // 2), (heads // 2, heads)]
+    ranks: list[KVTransferAgent] = []
+    try:
+        for n, (start, stop) in enumerate(ranges):
+
+            async def export(
+                hashes: list[int], start: int = start, stop: int = stop
+            ) -> ExportedBlocks:
+                return _head_shard(await prefill.export_kv(hashes), start, stop)
+
+            rank = KVTransferAgent(rt_p, export)
+            await rank.start(0xA0 + n, {}, 0)
+            ranks.append(rank)
+        shards = [
+            ShardAddress(
+                host="127.0.0.1", port=rank.port, layout=_head_shard_layout(whole, start, stop)
+            )
+            for rank, (start, stop) in zip(ranks, ranges, strict=True)
+        ]
+        await publish_descriptor(
+            rt_p,
+            0xA,
+            AgentDescriptor(
+                host="127.0.0.1", port=0, layout=msgspec.to_builtins(whole), shards=shards
+            ),
+        )
+        prompt = list(range(40, 110))
+        outs = [o async for o in prefill.generate(request(prompt), Context())]
+        handoff = outs[-1].disaggregated_params
+        got = [o async for o in decode.generate(request(prompt, handoff), Context())]
+        assert [t for o in got for t in o.token_ids] == hf_greedy(tiny_llama, prompt, 6)
+        assert [r.stats.pulls_served for r in ranks] == [1, 1]
+        per_rank = [r.stats.bytes_sent for r in ranks]
+        assert per_rank[0] > 0 and sum(per_rank) == agent_d.stats.bytes_received
+        await decode.check_invariants()
+        assert decode.scheduler is not None and decode.scheduler.kv.num_active_blocks == 0
+    finally:
+        for rank in ranks:
+            await rank.close()
+        await decode.cleanup()
+        await prefill.cleanup()
+        await rt_d.shutdown()
+        await rt_p.shutdown()
+
+
+def _head_shard_layout(whole: KVLayout, start: int, stop: int) -> dict[str, object]:
+    layout = msgspec.structs.replace(
+        whole, num_kv_heads=stop - start, head_start=start, total_kv_heads=whole.num_kv_heads
+    )
+    return msgspec.to_builtins(layout)  # type: ignore[no-any-return]

@@ -403,3 +403,59 @@ def test_blocks_convert_to_another_block_size() -> None:
     other = KVLayout(num_layers=3, block_size=16, num_kv_heads=2, head_dim=4, dtype="float32")
     with pytest.raises(ValueError, match="cannot be converted"):
         convert_blocks(received, other, tokens)
+
+
+def test_blocks_split_into_head_shards_and_merged_back() -> None:
+    """Different tensor-parallel splits of the KV heads: a whole pool's blocks cut into the
+    head ranges [0, 1) and [1, 4) of two ranks land in those ranks' pools as the right heads;
+    the ranks' exports merged side by side are the whole pool's bytes again."""
+    from dynamo.pytorch.kv_cache import (
+        KVBlocks,
+        KVCache,
+        KVLayout,
+        convert_blocks,
+        merge_head_shards,
+    )
+    from dynamo.router.hashing import sequence_hashes
+
+    whole = KVLayout(num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype="float32")
+    src = KVCache.allocate(whole, 8, torch.device("cpu"))
+    for k, v in src.pools:
+        k.normal_()
+        v.normal_()
+    tokens = list(range(7, 7 + 48))
+    hashes = sequence_hashes(local_block_hashes(tokens, 16))
+    local = local_block_hashes(tokens, 16)
+    received = KVBlocks(
+        layout=whole, block_hashes=hashes, local_hashes=local, data=src.export_slots([2, 3, 4])
+    )
+    ranks = [
+        KVLayout(
+            num_layers=2,
+            block_size=16,
+            num_kv_heads=stop - start,
+            head_dim=8,
+            dtype="float32",
+            head_start=start,
+            total_kv_heads=4,
+        )
+        for start, stop in ((0, 1), (1, 4))
+    ]
+    shards = []
+    for rank in ranks:
+        part = convert_blocks(received, rank, tokens)
+        assert part.block_hashes == hashes
+        pool = KVCache.allocate(rank, 4, torch.device("cpu"))
+        pool.import_slots([0, 1, 2], part.data)
+        for (sk, sv), (dk, dv) in zip(src.pools, pool.pools, strict=True):
+            for s, d in ((sk, dk), (sv, dv)):  # [heads, blocks, block_size, dim]
+                assert torch.equal(d[:, 0:3], s[rank.head_start : rank.head_stop, 2:5])
+        shards.append(
+            KVBlocks(layout=rank, block_hashes=hashes, local_hashes=local, data=part.data)
+        )
+    merged = merge_head_shards(list(reversed(shards)))  # any order: merged in head order
+    assert merged.layout == whole and merged.data == received.data
+    with pytest.raises(ValueError, match="gap or overlap"):
+        merge_head_shards([shards[0], shards[0]])
+    with pytest.raises(ValueError, match="do not cover"):
+        convert_blocks(shards[0], ranks[1], tokens)
