@@ -43,6 +43,8 @@ class Deployment:
             raise ValueError("--prefill-workers must be >= 0")
         if self.router_mode not in ROUTER_MODES:
             raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}")
+        if self.disagg.dispatch != "route":  # refused, not silently simulated as route
+            raise ValueError("the replay simulates --prefill-dispatch route only")
 
     @property
     def disaggregated(self) -> bool:

@@ -174,3 +174,10 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--workload", "trace", "--trace", "/nonexistent.jsonl"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("dynamo replay: ") for line in err)
+
+
+def test_queue_dispatch_is_refused_not_simulated_as_route() -> None:
+    from dynamo.frontend.disagg import DisaggSettings
+
+    with pytest.raises(ValueError, match="route only"):
+        Deployment(2, prefill_workers=1, disagg=DisaggSettings(dispatch="queue"))
