@@ -15,17 +15,21 @@ started at once. Reported:
   first token of requests migrated before their first token (``new_request``);
 * where that gap goes, per migration, from the processes' JSONL logs (wall clock, one machine):
   ``stall`` the last token before the kill to the kill (the killed worker's pass in progress,
-  not the migration's doing), ``detect`` the kill to the frontend's decision to migrate,
-  ``dispatch`` that decision to the request's arrival in the new worker's engine (re-route,
-  request plane), ``queued`` arrival to the start of the pass that produced its next token,
-  ``pass`` that pass's modelled time (prefill of the continuation, batched with the others'
-  work), ``late`` how late the worker's loop delivered it (CPU starvation), ``return`` the new
-  worker to the client.
+  lost; beyond one ITL it is not counted as added), ``detect`` the kill to the frontend's
+  decision to migrate (it includes the kernel's teardown of the killed process, which closes
+  its sockets last: ``kill_to_exit_ms``), ``dispatch`` that decision to the request's arrival
+  in the new worker's engine (re-route, request plane), ``queued`` arrival to the start of the
+  pass that produced its next token, ``pass`` that pass's modelled time (prefill of the
+  continuation, batched with the others' work), ``late`` how late the worker's loop delivered
+  it (CPU starvation), ``return`` the new worker to the client. ``engine_share`` (stall +
+  queued + pass - ITL: the modelled engine) and ``overhead_share`` (the rest) sum to the gap
+  minus the ITL.
 
 Goal: 100 % complete, 0 short, a migration adds < 50 ms to the affected stream's gap at p99.
 
     .venv/bin/python benchmarks/faults.py [--requests 2000] [--concurrency 32] [--osl 256]
-        [--workers 4] [--kill-every 5] [--out bench-results/faults.json]
+        [--workers 4] [--kill-every 5] [--router-mode round-robin|kv|...]
+        [--out bench-results/faults.json] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
@@ -50,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamo.bench.client import Endpoint, HttpClient
+from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.timing import decode_ms, prefill_ms
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = str(REPO / "dynamo" / "models" / "demo")
@@ -82,6 +89,11 @@ class Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+
+    @property
+    def serving(self) -> bool:
+        """The worker has registered its model."""
+        return any("serving model" in line for line in self.lines)
 
     def wait_for(self, fragment: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -172,8 +184,9 @@ def log_records(lines: list[str]) -> list[dict[str, object]]:
     return out
 
 
-def find_migrations(frontend: list[str], workers: list[list[str]]) -> list[Migration]:
-    """The frontend's migrations, each with the first-token line of its continuation."""
+def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list[Migration], int]:
+    """The frontend's migrations, each with the first-token line of its continuation, and the
+    median prompt length of the requests (their first attempts)."""
     found: list[Migration] = []
     for rec in log_records(frontend):
         msg = str(rec["message"])
@@ -193,7 +206,39 @@ def find_migrations(frontend: list[str], workers: list[list[str]]) -> list[Migra
         after = sorted(f for f in firsts.get(m.request_id, []) if f[0] > m.at)
         if after:
             m.first_token = {"t": after[0][0], **after[0][1]}
-    return found
+    isls = [min(f["prompt_tokens"] for _, f in v) for v in firsts.values()]
+    return found, round(statistics.median(isls)) if isls else 0
+
+
+def model_floor(
+    isl: int, osl: int, workers: int, concurrency: int, trials: int = 20000
+) -> tuple[float, float]:
+    """(p50, p99) ms of the added gap the timing model alone gives (FACTS §6.4, the mocker's
+    default pool; no CPU, no transport): a Monte Carlo of one kill. Each worker decodes
+    ``concurrency / workers`` streams (D per pass) and prefills the closed loop's new arrivals
+    (P(isl) + D passes); the killed worker's streams, ``isl`` + U(0, osl) tokens long, go round
+    robin to the survivors, which batch the ones they get into one prefill pass after the pass
+    in progress; the pass the killed worker was running is lost (stall)."""
+    rng = random.Random(0)
+    k = max(1, concurrency // workers)
+    total = MockerConfig().total_kv_tokens
+    d = decode_ms(k * (isl + osl // 2), total)
+    pf = prefill_ms(isl) + d
+    in_prefill = min(1.0, k / (osl * d / 1000) * pf / 1000)  # share of time in such passes
+
+    def residual() -> float:  # what is left of the pass in progress at a random instant
+        return rng.uniform(0, pf) if rng.random() < in_prefill else rng.uniform(0, d)
+
+    added: list[float] = []
+    survivors = max(1, workers - 1)
+    for _ in range(trials // k + 1):
+        lengths = [isl + rng.randrange(osl) for _ in range(k)]
+        stall = residual()
+        for group in (lengths[i::survivors] for i in range(survivors)):
+            if group:
+                t = residual() + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
+                added += [t] * len(group)
+    return round(pct(added, 0.5), 1), round(pct(added, 0.99), 1)
 
 
 def free_port() -> int:
@@ -267,6 +312,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--kill-every", type=float, default=5.0)
     ap.add_argument("--migration-limit", type=int, default=3)
+    ap.add_argument("--router-mode", default="round-robin", help="the frontend's --router-mode")
     ap.add_argument("--out", default="bench-results/faults.json")
     ap.add_argument("--logs", help="write each process's log lines to this directory")
     args = ap.parse_args()
@@ -278,7 +324,8 @@ def main() -> int:
     port = free_port()
     frontend = Child(
         ["-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port)]
-        + ["--migration-limit", str(args.migration_limit), "--log-level", FRONTEND_LOG, *PLANES],
+        + ["--migration-limit", str(args.migration_limit), "--log-level", FRONTEND_LOG, *PLANES]
+        + ["--router-mode", args.router_mode],
         env,
     )
     mocker_args = ["-m", "dynamo.mocker", "--model-path", MODEL, "--model-name", NAME]
@@ -290,6 +337,8 @@ def main() -> int:
     workers = [spawn() for _ in range(args.workers)]
     children = [frontend, *workers]
     kills: list[float] = []  # time.time() of each SIGKILL
+    reaped: list[float] = []  # seconds from each SIGKILL to the victim's exit status
+    skipped: list[float] = []  # kill instants when no worker was serving yet
     streams: list[Stream] = []
     stop = threading.Event()
     try:
@@ -302,13 +351,18 @@ def main() -> int:
             next_kill = time.monotonic() + args.kill_every
             while not stop.wait(max(0.0, next_kill - time.monotonic())):
                 next_kill += args.kill_every
-                alive = [w for w in workers if w.proc.poll() is None]
+                # A worker that serves (a replacement still starting has no stream to lose:
+                # killing it would only shrink the fleet on a slow machine).
+                alive = [w for w in workers if w.proc.poll() is None and w.serving]
                 if not alive:
+                    skipped.append(time.time())
                     continue
                 victim = alive[n % len(alive)]
                 n += 1
                 t = time.time()
                 victim.proc.send_signal(signal.SIGKILL)
+                victim.proc.wait()
+                reaped.append(time.time() - t)
                 workers.remove(victim)
                 fresh = spawn()  # the replacement joins when it has started (a few seconds)
                 workers.append(fresh)
@@ -345,12 +399,14 @@ def main() -> int:
     ttft_p50 = statistics.median(ttft_all) if ttft_all else 0.0
     by_id = {s.request_id: s for s in streams}
     kill_times = sorted(kills)
-    found = find_migrations(frontend.lines, [c.lines for c in children[1:]])
+    found, isl = find_migrations(frontend.lines, [c.lines for c in children[1:]])
     added: list[float] = []  # gap - max(median ITL, stall before the kill)
     naive: list[float] = []  # gap - median ITL
     gaps: list[float] = []
     new_ttft: list[float] = []
     parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    engine: list[float] = []
+    overhead: list[float] = []
     worst: list[tuple[float, dict[str, object]]] = []
     for m in found:
         s = by_id[m.request_id]
@@ -385,6 +441,12 @@ def main() -> int:
         }
         for name, value in split.items():
             parts[name].append(value)
+        # The engine's share (the killed pass lost, the wait for the new worker's pass in
+        # progress, the modelled re-prefill pass, less the ITL the token costs anyway) and the
+        # rest (frontend, request plane, starved loops): on an idle machine the rest is ~0.
+        itl = s.median_itl()
+        engine.append(split["stall"] + split["queued"] + split["pass"] - itl)
+        overhead.append(split["detect"] + split["dispatch"] + split["late"] + split["return"])
         detail: dict[str, object] = {k: round(v * 1000, 1) for k, v in split.items()}
         detail["pass_prefill_tokens"] = ft["pass_prefill_tokens"]
         detail["added"] = round(added[-1] * 1000, 1)
@@ -395,9 +457,12 @@ def main() -> int:
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, Python {platform.python_version()}",
+        "router_mode": args.router_mode,
         "requests": len(streams),
         "elapsed_s": round(elapsed, 1),
         "kills": len(kills),
+        "kills_skipped_none_serving": len(skipped),
+        "kill_to_exit_ms_p50_max": [round(pct(reaped, q) * 1000, 1) for q in (0.5, 1.0)],
         "completed": len(completed),
         "errored": len(errored),
         "short": len(short),
@@ -420,6 +485,9 @@ def main() -> int:
         "breakdown_ms_mean": {
             k: round(statistics.fmean(v) * 1000, 1) if v else None for k, v in parts.items()
         },
+        "model_floor_ms_p50_p99": model_floor(isl, args.osl, args.workers, args.concurrency),
+        "engine_share_ms_p50_p99": [round(pct(engine, q) * 1000, 1) for q in (0.5, 0.99)],
+        "overhead_share_ms_p50_p99": [round(pct(overhead, q) * 1000, 1) for q in (0.5, 0.99)],
         "worst_5": [d for _, d in worst[:5]],
         "split_by_migration": [d for _, d in worst],
         "itl_ms_median_all": round(
