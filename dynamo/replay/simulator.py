@@ -121,7 +121,7 @@ class Simulation:
         self._timeouts: deque[tuple[float, Flight]] = deque()
         self._remote_prefills = 0  # disaggregated: prefills in flight on prefill workers
         self._prefix = "replay"
-        seed = load.seed
+        seed = load.seed if deployment.router_seed is None else deployment.router_seed
         self.decode_pool = build_pool(
             deployment,
             deployment.decode_config(),
