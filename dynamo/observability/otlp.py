@@ -449,16 +449,24 @@ class BatchExporter:
             self._wake.clear()
             self._drain()
 
-    def _drain(self) -> None:
+    def _drain(self, until: float | None = None) -> None:
+        """Send the queue in batches, each within the export timeout (and before ``until``:
+        past it, what is left is dropped)."""
         queue = self._queue
         while queue:
             batch = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
-            self._send(batch)
+            deadline = time.monotonic() + self.export_timeout_s
+            if until is not None:
+                if time.monotonic() >= until:
+                    self.dropped += len(batch)
+                    continue
+                deadline = min(deadline, until)
+            self._send(batch, deadline)
 
-    def _send(self, batch: Sequence[RecordedSpan]) -> None:
+    def _send(self, batch: Sequence[RecordedSpan], deadline: float) -> None:
         try:
             body = self.encoder.encode(batch)
-            delivered = self.transport.send(body, time.monotonic() + self.export_timeout_s)
+            delivered = self.transport.send(body, deadline)
         except Exception:
             log.exception("OTLP export failed")
             delivered = False
@@ -468,12 +476,15 @@ class BatchExporter:
             self.dropped += len(batch)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread, send what is queued, close the transport. Idempotent."""
+        """Stop the thread, send what is queued, close the transport; all within ``timeout_s``
+        (an unreachable collector must not hold the process's exit for the export timeout).
+        Idempotent."""
         if self._stopping:
             return
+        until = time.monotonic() + timeout_s
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # else it is still sending: leave the queue to it
-            self._drain()
+            self._drain(until)
         self.transport.close()

@@ -5,6 +5,7 @@ bound; the samplers."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -205,6 +206,19 @@ def test_an_unreachable_collector_loses_the_batch_within_the_timeout() -> None:
     tracer.start_span("s").end()
     exporter.shutdown()
     assert exporter.exported == 0 and exporter.dropped == 1
+    # At exit, the shutdown's own bound wins over a long export timeout.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        mp.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{port}/v1/traces")
+        exporter = otlp.BatchExporter(
+            otlp.Encoder({}), otlp.transport(), delay_s=60, export_timeout_s=60
+        )
+    tracer._sink = exporter.add  # noqa: SLF001
+    tracer.start_span("s").end()
+    began = time.monotonic()
+    exporter.shutdown(timeout_s=0.5)  # the export thread is retrying: not waited for
+    assert time.monotonic() - began < 30  # generous: the point is "not the 60 s timeout"
+    assert exporter.exported == 0
 
 
 def test_bad_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
