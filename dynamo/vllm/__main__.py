@@ -2,7 +2,7 @@
 
 Every vLLM engine flag (``AsyncEngineArgs``: ``--block-size``, ``--max-num-seqs``,
 ``--dtype``, ...) is accepted as vLLM spells it; ours are the worker's (runtime, status server,
-``--endpoint``) and ``--kv-events-port``. The worker wiring is
+``--endpoint``) and ``--kv-events`` / ``--no-kv-events``. The worker wiring is
 :mod:`dynamo.backend.serve_engine`, as for every engine.
 """
 
