@@ -77,9 +77,12 @@ class Offload:
         into it. Fire and forget: nothing waits for it, and it is not a pending job."""
         if self._trimming:
             return
-        self._trimming = True
         loop = asyncio.get_running_loop()
-        job = self._pool.submit(trim_heap)
+        try:
+            job = self._pool.submit(trim_heap)
+        except RuntimeError:  # closed: the process is stopping
+            return
+        self._trimming = True
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._trimmed))
 
     def _trimmed(self) -> None:
