@@ -224,7 +224,7 @@ async def test_close_is_clean(make_plane: MakePlane) -> None:
         await plane.close()
         await plane.close()  # idempotent
         assert await asyncio.wait_for(reader, 2.0) is None
-        assert plane._pub is None and plane._ctx is None and plane._watch_task is None
+        assert plane._pub is None and plane._ctx is None and plane._follower is None
         assert await plane._discovery.get_prefix(event_publishers_prefix(NS)) == []
         with pytest.raises(RuntimeError):
             await plane.publish("t/x", b"")
