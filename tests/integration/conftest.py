@@ -29,13 +29,14 @@ class Stack:
     workers: list[Worker] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     client: httpx.AsyncClient | None = None
+    runtime: RuntimeConfig = RUNTIME  # the planes; discovery stays in the hub's memory store
 
     async def add_worker(self, *mocker_flags: str) -> Worker:
         args = build_parser().parse_args(
             ["--model-path", str(demo_model_path()), "--model-name", "demo", *mocker_flags]
         )
         worker = build_worker(
-            mocker_config(args), RUNTIME, hub=self.hub, install_signal_handlers=False
+            mocker_config(args), self.runtime, hub=self.hub, install_signal_handlers=False
         )
         self.workers.append(worker)
         self.tasks.append(asyncio.create_task(worker.run(), name="test-worker"))
@@ -44,7 +45,7 @@ class Stack:
 
     async def start_frontend(self, **config: Any) -> httpx.AsyncClient:
         self.frontend = FrontendService(
-            FrontendConfig(http_host="127.0.0.1", http_port=0, runtime=RUNTIME, **config),
+            FrontendConfig(http_host="127.0.0.1", http_port=0, runtime=self.runtime, **config),
             hub=self.hub,
         )
         await self.frontend.start()
