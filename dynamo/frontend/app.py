@@ -344,7 +344,9 @@ class FrontendService:
             self._reaper_task = asyncio.create_task(reaper.run(), name="frontend-idle-reaper")
         if OverflowRefuser.supported():
             assert self._server is not None
-            self._overflow = OverflowRefuser(self._server.listen_fd)
+            self._overflow = OverflowRefuser(
+                self._server.listen_fd, self.port, limits.max_connections
+            )
             self._overflow.start()
         log.info("frontend listening on http://%s:%d", self.config.http_host, self.port)
 
@@ -380,7 +382,7 @@ class FrontendService:
             await asyncio.sleep(0.02)
         self.generate.cancel_all()
         if self._overflow is not None:
-            self._overflow.close()
+            await self._overflow.close()
             self._overflow = None
         if self._reaper_task is not None:
             self._reaper_task.cancel()

@@ -4,11 +4,12 @@ granian serves at most ``--http-max-connections`` connections (its ``backpressur
 it stops calling ``accept``, and new connections wait in the kernel's listen backlog, where a
 client sees nothing at all (a hang, or a SYN dropped once the backlog is full). granian has no
 option to answer them, so this does it from the outside: it watches a dup of the listening
-socket; when a connection has waited there ``grace_s`` without granian taking it (granian,
-running in its own threads, accepts at once whenever it has a place), it accepts what is waiting
-itself and answers each ``503`` with an OpenAI error body, ``Retry-After`` and
-``Connection: close``, then closes it. A connection granian could still take is never refused:
-only one that stayed in the backlog through the whole grace period.
+socket; when a connection has waited there ``grace_s`` without granian taking it, it counts the
+connections this process holds on the port (``/proc/self/fd``, in a thread), and only if they
+reach the limit (granian is full, not merely late: a stalled thread or a loaded machine delays
+an accept too) does it accept what is waiting itself and answer each ``503`` with an OpenAI error
+body, ``Retry-After`` and ``Connection: close``, then close it. Otherwise it looks again after
+another grace period.
 
 The wake-up is event-driven (the listening socket turns readable), not a poll: one callback per
 burst of new connections, then a single timer; nothing runs while connections are taken at once.
@@ -25,6 +26,7 @@ import struct
 import sys
 
 from dynamo.frontend.errors import HTTPError, to_http
+from dynamo.frontend.idle_reaper import count_connections
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +68,28 @@ def accept_queue_length(sock: socket.socket) -> int:
 
 
 class OverflowRefuser:
-    """Answers 503 to connections left in the listen backlog of ``listen_fd`` for ``grace_s``.
+    """Answers 503 to connections left in the listen backlog of ``listen_fd`` (bound to
+    ``port``) for ``grace_s`` while this process holds ``max_connections`` on the port.
 
     ``start()`` and ``close()`` run on the event loop; ``refused`` counts the answers sent.
     """
 
-    def __init__(self, listen_fd: int, grace_s: float = 0.25) -> None:
+    def __init__(
+        self, listen_fd: int, port: int, max_connections: int, grace_s: float = 0.25
+    ) -> None:
         if grace_s <= 0:
             raise ValueError("grace must be positive")
         # A dup shares the listening socket (accepting from it takes a connection from the
         # same queue granian accepts from); closing it leaves granian's descriptor open.
         self._sock = socket.socket(fileno=os.dup(listen_fd))
         self._sock.setblocking(False)  # tokio's listener is non-blocking already
+        self._port = port
+        self._max_connections = max_connections
         self._grace_s = grace_s
         self._response = refusal_response()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._judging: asyncio.Task[None] | None = None
         self._lingering: set[socket.socket] = set()
         self.refused = 0
 
@@ -98,15 +106,27 @@ class OverflowRefuser:
         # Level-triggered: stop listening until the grace period has been judged.
         assert self._loop is not None
         self._loop.remove_reader(self._sock.fileno())
-        self._timer = self._loop.call_later(self._grace_s, self._judge)
+        self._arm()
 
-    def _judge(self) -> None:
+    def _arm(self) -> None:
         assert self._loop is not None
+        self._timer = self._loop.call_later(self._grace_s, self._start_judging)
+
+    def _start_judging(self) -> None:
         self._timer = None
-        # Whatever is still queued was not taken by granian for a whole grace period (a
-        # connection that arrived meanwhile may be among them: the oldest go first, and all
-        # of them met a full server).
-        for _ in range(accept_queue_length(self._sock)):
+        self._judging = asyncio.create_task(self._judge(), name="frontend-overflow-judge")
+
+    async def _judge(self) -> None:
+        assert self._loop is not None
+        waiting = accept_queue_length(self._sock)
+        if waiting:
+            held = await asyncio.to_thread(count_connections, self._port)
+            if held - len(self._lingering) < self._max_connections:
+                self._arm()  # granian has room and is merely late: look again
+                return
+        # Whatever is still queued was not taken by a full granian (a connection that arrived
+        # meanwhile may be among them: the oldest go first, and all of them met a full server).
+        for _ in range(waiting):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -140,11 +160,15 @@ class OverflowRefuser:
         self._lingering.discard(conn)
         conn.close()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop refusing; close the dup and every refused socket still open."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._judging is not None:
+            self._judging.cancel()
+            await asyncio.gather(self._judging, return_exceptions=True)
+            self._judging = None
         if self._loop is not None and self._sock.fileno() >= 0:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

@@ -24,35 +24,39 @@ def test_refusal_response_is_a_complete_openai_503() -> None:
     assert json.loads(body)["error"]["type"] == "service_unavailable"
 
 
-async def test_waiting_connections_are_refused_taken_ones_are_not() -> None:
+async def read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(10)
+    answer = b""
+    while chunk := await asyncio.to_thread(sock.recv, 65536):
+        answer += chunk
+    return answer
+
+
+async def test_waiting_connections_are_refused_only_when_the_server_is_full() -> None:
     listener = socket.create_server(("127.0.0.1", 0), backlog=16)
     port = listener.getsockname()[1]
-    refuser = OverflowRefuser(listener.fileno(), grace_s=0.2)
+    refuser = OverflowRefuser(listener.fileno(), port, max_connections=1, grace_s=0.2)
     refuser.start()
     try:
-        # A connection the "server" takes at once: never refused.
-        served = socket.create_connection(("127.0.0.1", port))
-        taken, _ = listener.accept()
-        await asyncio.sleep(0.5)
-        assert refuser.refused == 0
-        taken.setblocking(False)
+        # A connection that waits while the "server" (this test) has room: not refused.
+        early = socket.create_connection(("127.0.0.1", port))
+        await asyncio.sleep(0.6)  # several grace periods
+        assert refuser.refused == 0 and accept_queue_length(listener) == 1
+        served, _ = listener.accept()  # the server takes it late: its one place is used now
+        served.setblocking(False)
         with pytest.raises(BlockingIOError):
-            taken.recv(1)  # open, nothing was written to it
-        taken.close()
-        served.close()
-        # Two connections nobody accepts: answered 503 after the grace period.
+            served.recv(1)  # open, and nothing was written to it
+        # Two more connections nobody accepts while the server is full: answered 503.
         waiting = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         waiting[0].sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         for sock in waiting:
-            sock.settimeout(10)
-            answer = b""
-            while chunk := await asyncio.to_thread(sock.recv, 65536):
-                answer += chunk
-            assert answer == refusal_response()
+            assert await read_all(sock) == refusal_response()
             sock.close()
         assert refuser.refused == 2 and accept_queue_length(listener) == 0
+        served.close()
+        early.close()
     finally:
-        refuser.close()
+        await refuser.close()
         listener.close()
     with pytest.raises(ValueError):
-        OverflowRefuser(0, grace_s=0)
+        OverflowRefuser(0, 0, 1, grace_s=0)
