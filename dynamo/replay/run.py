@@ -23,11 +23,12 @@ from dynamo.bench.config import BenchConfig
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.report import summarize, write_report
 from dynamo.bench.request import RequestRecord
-from dynamo.bench.workload import Session
+from dynamo.bench.workload import Session, SyntheticWorkload
 from dynamo.preprocess import ModelDir, demo_model_path, load_model_dir
 from dynamo.replay.deployment import Deployment
+from dynamo.replay.load import LoadSpec
 from dynamo.replay.report import routing_rows, worker_summary, write_worker_plots
-from dynamo.replay.simulator import Flight, LoadSpec, Simulation, SimulationResult
+from dynamo.replay.simulator import Flight, Simulation, SimulationResult
 
 ROUTING_FILE = "routing.jsonl"
 _HUGE_CONTEXT = 1 << 30
@@ -88,7 +89,27 @@ def load_spec(bench: BenchConfig) -> LoadSpec:
         duration_s=bench.duration_s,
         think_time_s=bench.think_time_s,
         seed=bench.seed,
+        timeout_s=bench.request_timeout_s,
     )
+
+
+def warmup_phase(
+    bench: BenchConfig, builder: PromptBuilder
+) -> tuple[LoadSpec, Iterator[Session]] | None:
+    """``dynamo bench --warmup N``: N synthetic requests (``--isl``/``--osl``, seed + 1), closed
+    loop at the run's concurrency (8 for an open loop), capped by ``--max-concurrency``, before
+    the measured run; they warm the caches and the router and are not reported."""
+    if not bench.warmup:
+        return None
+    concurrency = bench.concurrency if not bench.open_loop else 8
+    workload = SyntheticWorkload(builder, isl=bench.isl, osl=bench.osl, seed=bench.seed + 1)
+    spec = LoadSpec(
+        concurrency=min(bench.warmup, bench.max_concurrency or concurrency),
+        limit=bench.warmup,
+        seed=bench.seed,
+        timeout_s=bench.request_timeout_s,
+    )
+    return spec, workload.sessions()
 
 
 def run_replay(
@@ -111,7 +132,13 @@ def run_replay(
     # here, and only the requests in flight hold theirs.
     sessions: Iterator[Session] = workload.sessions()
     decode = model.tokenizer.decode if workload.collect_text else None
-    sim = Simulation(deployment, sessions, load_spec(bench), decode_text=decode)
+    sim = Simulation(
+        deployment,
+        sessions,
+        load_spec(bench),
+        decode_text=decode,
+        warmup=warmup_phase(bench, builder),
+    )
     result = sim.run()
     records = [f.record for f in result.flights]
     window = max((r.end for r in records), default=0.0)
@@ -130,6 +157,7 @@ def run_replay(
         "simulation_wall_s": result.wall_s,
         "passes": result.passes,
         "events": result.events,
+        "warmup_simulated_s": result.warmup_s,
     }
     summary["workers"] = worker_summary(result.flights)
     if output_dir:
