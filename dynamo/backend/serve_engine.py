@@ -23,6 +23,7 @@ from dynamo.observability.logging import add_log_flag, configure_logging
 from dynamo.observability.tracing import setup_tracing
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import RuntimeConfig, add_flag
+from dynamo.runtime.heap import settle_after_start
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
@@ -169,5 +170,6 @@ def serve_engine(
     except (ValueError, OSError) as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
+    settle_after_start()  # the engine is built: what it allocated stays
     run_async(worker.run())
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -88,9 +89,12 @@ class HttpClient:
         *,
         sink: EventSink | None = None,
         timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
         path = self.endpoint.path(api_path)
         head = f"{method} {path} HTTP/1.1\r\n{self._common}"
+        for name, value in (headers or {}).items():  # e.g. x-request-id, to find it in logs
+            head += f"{name}: {value}\r\n"
         if body or method == "POST":
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         if sink is not None:

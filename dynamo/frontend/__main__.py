@@ -12,6 +12,7 @@ from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
 from dynamo.observability.tracing import setup_tracing
+from dynamo.runtime.heap import settle_after_start
 
 
 async def serve(config: FrontendConfig) -> None:
@@ -23,6 +24,7 @@ async def serve(config: FrontendConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await service.start()
+        settle_after_start()
         print(f"dynamo frontend: listening on http://{config.http_host}:{service.port}", flush=True)
         await stop.wait()
     finally:

@@ -305,9 +305,12 @@ class MockerEngine(LLMEngine):
 
     def _deliver(self, rank: _Rank, out: StepOutput) -> None:
         collectors = rank.collectors
+        trace_first = log.isEnabledFor(logging.DEBUG)
         for seq, token in out.tokens:
             if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
                 rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
+                if trace_first:
+                    _log_first_token(seq, out, self.clock.now())
                 if seq.handoff is not None:  # a received prompt: the modelled transfer
                     isl = seq.num_prompt_tokens
                     rank.disagg.handoffs += 1
@@ -410,6 +413,25 @@ class MockerEngine(LLMEngine):
     def check_invariants(self) -> None:
         for rank in self._ranks:
             rank.scheduler.check_invariants()
+
+
+def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:
+    """Where a request's time to first token went on this worker (debug; the fault benchmark
+    reads it to split a migration's gap): waiting for the pass in progress, the modelled pass
+    that produced the token, and how late the loop delivered it (CPU starvation)."""
+    end = out.start + out.duration
+    log.debug(
+        "first token of %s: queued_ms=%.3f pass_ms=%.3f late_ms=%.3f pass_prefill_tokens=%d "
+        "prompt_tokens=%d cached_tokens=%d decodes=%d",
+        seq.request_id,
+        (out.start - seq.arrival) * 1000,
+        out.duration * 1000,
+        (now - end) * 1000,
+        out.num_prefill_tokens,
+        seq.num_prompt_tokens,
+        seq.num_cached_tokens or 0,
+        out.num_decodes,
+    )
 
 
 def _terminal(

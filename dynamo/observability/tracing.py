@@ -25,6 +25,7 @@ import os
 import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import Token
 from typing import Any
 
 import msgspec
@@ -163,7 +164,6 @@ class _LocalTracer(trace.Tracer):
         span_id = _random.getrandbits(64) or 1
         return NonRecordingSpan(SpanContext(trace_id, span_id, False, flags))
 
-    @contextmanager
     def start_as_current_span(  # type: ignore[override]
         self,
         name: str,
@@ -175,10 +175,28 @@ class _LocalTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
         end_on_exit: bool = True,
-    ) -> Iterator[Span]:
-        span = self.start_span(name, context)
-        with trace.use_span(span, end_on_exit=False) as current:
-            yield current
+    ) -> _LocalScope:
+        return _LocalScope(self.start_span(name, context))
+
+
+class _LocalScope:
+    """``with``: a local span current for the block. A plain class, not ``@contextmanager`` over
+    ``trace.use_span`` (two generator frames and the SDK's exception bookkeeping for a span
+    that records nothing): a request opens two of these (preprocess, route)."""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self._token: Token[Context] | None = None
+
+    def __enter__(self) -> Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return self._span
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)
 
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

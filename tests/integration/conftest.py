@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dynamo.backend.serve_engine import ServeOptions
 from dynamo.backend.worker import Worker
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
@@ -36,7 +37,11 @@ class Stack:
             ["--model-path", str(demo_model_path()), "--model-name", "demo", *mocker_flags]
         )
         worker = build_worker(
-            mocker_config(args), self.runtime, hub=self.hub, install_signal_handlers=False
+            mocker_config(args),
+            self.runtime,
+            hub=self.hub,
+            install_signal_handlers=False,
+            options=ServeOptions.from_args(args),  # the worker flags, e.g. the grace period
         )
         self.workers.append(worker)
         self.tasks.append(asyncio.create_task(worker.run(), name="test-worker"))

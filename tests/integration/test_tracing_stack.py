@@ -4,6 +4,7 @@ request, preprocessing and routing spans and the worker's handling and engine.ge
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from opentelemetry.trace import StatusCode
@@ -98,3 +99,57 @@ async def test_a_decode_span_links_to_its_prefill_span(stack: Stack, spans: Span
     attrs = dict(decode.attributes or {})
     assert attrs["migration_span_id"] == f"{prefill.context.span_id:016x}"
     assert len(spans.named("route")) == 2  # the decode worker's and the prefill worker's
+
+
+async def test_a_migrated_attempt_links_to_the_previous_one(
+    stack: Stack, spans: SpanCapture
+) -> None:
+    # Speedup 1 (~6 ms a token): the stream is still running when its worker shuts down, and a
+    # zero grace period ends it mid-stream, so the frontend migrates it to the other worker.
+    mocker = ("--speedup-ratio", "1", "--block-size", "16", "--graceful-shutdown-timeout", "0")
+    first = await stack.add_worker(*mocker)
+    second = await stack.add_worker(*mocker)
+    client = await stack.start_frontend(migration_limit=2)
+    await stack.wait_for_model(instances=2)
+    max_tokens = 200
+    text, usage, shut = "", None, False
+    async with client.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "demo",
+            "prompt": "migrate me " * 10,
+            "max_tokens": max_tokens,
+            "seed": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+    ) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
+            if text and not shut:  # mid-stream: stop the worker the request was routed to
+                routed = int(dict(spans.one("route").attributes or {})["worker_id"], 16)
+                next(w for w in (first, second) if routed in w.worker_ids).request_shutdown()
+                shut = True
+    assert usage is not None and usage["completion_tokens"] == max_tokens
+    gens = spans.named("engine.generate")
+    assert len(gens) == 2, [s.name for s in spans.spans]
+    before, after = sorted(gens, key=lambda s: s.start_time or 0)
+    assert {before.context.trace_id, after.context.trace_id} == {int(CLIENT_TRACE, 16)}
+    assert before.context.span_id != after.context.span_id
+    assert not before.links
+    assert [(lk.context.trace_id, lk.context.span_id) for lk in after.links] == [
+        (before.context.trace_id, before.context.span_id)
+    ]
+    attrs = dict(after.attributes or {})
+    assert attrs["migration_trace_id"] == f"{before.context.trace_id:032x}"
+    assert attrs["migration_span_id"] == f"{before.context.span_id:016x}"
+    # The continuation's prompt holds what the first attempt generated.
+    assert attrs["input_tokens"] > dict(before.attributes or {})["input_tokens"]
+    assert len(spans.named("route")) == 2  # one routing decision per attempt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -284,5 +285,24 @@ async def test_without_a_hint_requests_spread_over_ranks() -> None:
             await s.aclose()
         await settle(engine)
         assert_idle(engine)
+    finally:
+        await engine.cleanup()
+
+
+async def test_debug_log_splits_each_time_to_first_token(caplog: pytest.LogCaptureFixture) -> None:
+    # benchmarks/faults.py reads this line to split a migration's gap into its parts.
+    clock = VirtualClock()
+    engine = await started(MockerConfig(), clock=clock)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="dynamo.mocker.engine"):
+            await collect(engine.generate(make_request(1024, 2), Context("split-1")))
+        lines = [r.getMessage() for r in caplog.records if "first token of" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("first token of split-1#")
+        fields = dict(kv.split("=") for kv in lines[0].split()[4:])
+        assert float(fields["queued_ms"]) == pytest.approx(0.0, abs=1e-6)
+        assert float(fields["pass_ms"]) == pytest.approx(prefill_ms(1024), rel=1e-3)
+        assert float(fields["late_ms"]) == pytest.approx(0.0, abs=1e-3)
+        assert fields["pass_prefill_tokens"] == fields["prompt_tokens"] == "1024"
+        assert (fields["cached_tokens"], fields["decodes"]) == ("0", "0")
     finally:
         await engine.cleanup()

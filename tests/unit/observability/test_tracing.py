@@ -129,3 +129,11 @@ def test_local_spans_carry_ids_without_recording() -> None:
         nested = local.start_span("nested")
     assert nested.get_span_context().trace_id == current.get_span_context().trace_id
     assert tracing.traceparent() is None  # restored
+
+
+def test_a_local_span_scope_restores_the_context_on_error() -> None:
+    local = tracing._LOCAL  # noqa: SLF001
+    with pytest.raises(RuntimeError), local.start_as_current_span("failing") as span:
+        assert tracing.traceparent() == tracing.traceparent(span)
+        raise RuntimeError("boom")
+    assert tracing.traceparent() is None
