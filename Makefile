@@ -53,7 +53,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(wildcard dynamo/*/*.c)
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	DYN_TEST_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+	DYN_TEST_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
 
 clean:

@@ -305,21 +305,39 @@ def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
     raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
 
 
+RECEIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.otlp_receiver import OtlpReceiver
+r = OtlpReceiver()
+print(r.endpoint, flush=True)
+sys.stdin.read()
+print(len(r.spans), flush=True)
+r.close()
+"""
+
+
 def tracing_modes(args: argparse.Namespace) -> int:
     """Our stack once per tracing mode and round (modes alternating), CPU per request compared
-    with ``off`` (medians over the rounds)."""
-    sys.path.insert(0, str(REPO))
-    from tests.otlp_receiver import OtlpReceiver
-
+    with ``off``: medians over the rounds, and medians of each round's ratio (paired rounds
+    cancel some of a shared machine's drift). The OTLP receiver runs in a process of its own:
+    in this one it would slow the load generator down, and the stack with it."""
     modes = [m.strip() for m in args.tracing.split(",") if m.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     speedup = args.speedup_ratio or 0.0
-    receiver = OtlpReceiver()
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(REPO)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert receiver.stdin is not None and receiver.stdout is not None
+    endpoint = receiver.stdout.readline().strip()
     runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
     try:
         for round_ in range(args.rounds):
             for mode in modes:
-                stack = Stack(mode, sys.executable, speedup, tracing_env(mode, receiver.endpoint))
+                stack = Stack(mode, sys.executable, speedup, tracing_env(mode, endpoint))
                 try:
                     results = []
                     for c in levels:
@@ -330,8 +348,11 @@ def tracing_modes(args: argparse.Namespace) -> int:
                     runs[mode].append(results)
                 finally:
                     stack.stop()
+        receiver.stdin.close()
+        spans = int(receiver.stdout.readline().strip() or 0)
     finally:
-        receiver.close()
+        receiver.kill()
+        receiver.wait()
     compared: dict[str, Any] = {}
     for c in levels:
         base = {k: _median_of(runs["off"], c, k) for k in CPU_KEYS} if "off" in runs else {}
@@ -339,13 +360,18 @@ def tracing_modes(args: argparse.Namespace) -> int:
             row = {k: _median_of(runs[mode], c, k) for k in CPU_KEYS}
             if base and mode != "off":
                 row |= {f"{k}_vs_off": (row[k] or 0) / (base[k] or 1) for k in CPU_KEYS}
+                row |= {
+                    f"{k}_vs_off_paired": _paired_ratio(runs[mode], runs["off"], c, k)
+                    for k in CPU_KEYS
+                }
             compared[f"c{c}/{mode}"] = row
     report = {
         "benchmark": "stack --tracing",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
-        "spans_received_by_the_otlp_receiver": len(receiver.spans),
+        "load_average": os.getloadavg(),
+        "spans_received_by_the_otlp_receiver": spans,
         "goals_vs_off": GOAL_TRACING,
         "medians": compared,
         "runs": runs,
@@ -355,8 +381,21 @@ def tracing_modes(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     for key, row in compared.items():
         print(key, {k: round(v, 3) for k, v in row.items() if v is not None})
-    print(f"spans received: {len(receiver.spans)}; written: {out}")
+    print(f"spans received: {spans}; load average {os.getloadavg()}; written: {out}")
     return 0
+
+
+def _paired_ratio(
+    runs: list[list[dict[str, Any]]], base: list[list[dict[str, Any]]], c: int, key: str
+) -> float | None:
+    """The median over rounds of (this round's value / the same round's ``off`` value)."""
+    ratios = []
+    for mine, theirs in zip(runs, base, strict=False):
+        a = [r[key] for r in mine if r["concurrency"] == c]
+        b = [r[key] for r in theirs if r["concurrency"] == c]
+        if a and b and b[0]:
+            ratios.append(a[0] / b[0])
+    return statistics.median(ratios) if ratios else None
 
 
 CPU_KEYS = ("frontend_cpu_ms_per_req", "mocker_cpu_ms_per_req", "stack_cpu_ms_per_req")

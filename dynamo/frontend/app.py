@@ -45,6 +45,7 @@ from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.http_limits import raise_fd_limit
+from dynamo.runtime.naming import new_instance_id
 from dynamo.runtime.published_files import fetch_files
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
@@ -179,7 +180,7 @@ class FrontendService:
         self._owns_runtime = runtime is None
         self.runtime = runtime or DistributedRuntime(config.runtime, hub)
         self.metrics = FrontendMetrics(config.metrics_prefix)
-        self.router_metrics = RouterMetrics(self.metrics.registry)
+        self.router_metrics = RouterMetrics(self.metrics.registry, router_id=new_instance_id())
         WorkerLoadGauges(self.metrics.prefix, self.metrics.registry, self._worker_loads)
         self.migration = MigrationPolicy(
             config.migration_limit, config.migration_max_seq_len, self.metrics

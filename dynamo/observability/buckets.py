@@ -33,3 +33,9 @@ def env_buckets(name: str, minimum: float, maximum: float, count: int) -> list[f
         float(env.get(f"DYN_METRICS_{name}_MAX", maximum)),
         int(env.get(f"DYN_METRICS_{name}_COUNT", count)),
     )
+
+
+def exponential_buckets(start: float, factor: float, count: int) -> list[float]:
+    """``start * factor**i`` for ``i`` in ``0..count-1`` (Prometheus' ``exponential_buckets``,
+    which the reference's router overhead histograms use)."""
+    return [start * factor**i for i in range(count)]

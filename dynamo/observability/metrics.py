@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.metrics import MetricWrapperBase
 
 from dynamo.backend.engine import RankMetrics
-from dynamo.observability.buckets import env_buckets
+from dynamo.observability.buckets import env_buckets, exponential_buckets
 
 
 class _LabelMemo(MetricWrapperBase):
@@ -345,18 +345,34 @@ class WorkerLoadGauges:
         yield tokens
 
 
-class RouterMetrics:
-    """KV router metrics (FACTS §10.1 names: dynamo_router_*, kv_cache_events_applied)."""
+# The reference's router overhead buckets (ms): CPU-bound phases (hashing) and phases that may
+# wait (find_matches, scheduling, total).
+COMPUTE_OVERHEAD_BUCKETS_MS = exponential_buckets(0.001, 2.0, 15)
+ASYNC_OVERHEAD_BUCKETS_MS = exponential_buckets(0.01, 3.0, 17)
+ROUTER_PHASES = ("block_hashing", "seq_hashing", "indexer_find_matches", "scheduling", "total")
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class RouterMetrics:
+    """KV router metrics (FACTS §10.1 names: dynamo_router_*, kv_cache_events_applied).
+
+    ``dynamo_router_overhead_{phase}_ms`` are the reference's per-request routing phase
+    histograms, with its constant ``router_id`` label (this frontend's router id)."""
+
+    def __init__(self, registry: CollectorRegistry, router_id: int = 0) -> None:
         r = registry
-        self.decision_seconds = Histogram(
-            "dynamo_router_overhead_total_seconds",
-            "Time to pick a worker",
-            ["model"],
-            registry=r,
-            buckets=[0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1],
-        )
+        self.router_id = router_id
+        self.overhead_ms = {
+            phase: Histogram(
+                f"dynamo_router_overhead_{phase}_ms",
+                f"Routing overhead per request in milliseconds: {phase.replace('_', ' ')}",
+                registry=r,
+                buckets=COMPUTE_OVERHEAD_BUCKETS_MS
+                if phase.endswith("hashing")
+                else ASYNC_OVERHEAD_BUCKETS_MS,
+                labelnames=["router_id"],
+            ).labels(str(router_id))
+            for phase in ROUTER_PHASES
+        }
         self.kv_hit_rate = Histogram(
             "dynamo_router_kv_hit_rate",
             "Predicted KV overlap of the chosen worker (fraction of prompt)",

@@ -1,11 +1,14 @@
-"""OpenTelemetry tracing of every process: one tracer provider, W3C context over the request
-plane, links between the attempts of a request.
+"""OpenTelemetry tracing of every process: one tracer, W3C context over the request plane,
+links between the attempts of a request.
 
 Spans always exist (so log lines carry a trace id, see ``logging.py``); they leave the process
-only when ``OTEL_EXPORT_ENABLED=1``, over OTLP configured by the standard settings
-(``OTEL_EXPORTER_OTLP_PROTOCOL`` = ``grpc`` (default, as the reference) or ``http/protobuf``,
+only when ``OTEL_EXPORT_ENABLED=1``, over OTLP configured by the standard settings (``otlp.py``:
+``OTEL_EXPORTER_OTLP_PROTOCOL`` = ``grpc`` (default, as the reference) or ``http/protobuf``,
 ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ...;
-``OTEL_SERVICE_NAME`` overrides the process's service name). Per-chunk recording (inter-token
+``OTEL_SERVICE_NAME`` overrides the process's service name). Recorded spans are dynamo's own
+implementation of the OpenTelemetry span API (``recording.py``: the SDK's spans and encoder cost
+1.4x the CPU of a request); SDK span processors can still be added (:func:`add_span_processor`).
+Per-chunk recording (inter-token
 latencies on ``engine.generate``) happens only while spans are exported somewhere
 (:func:`recording`): otherwise nobody would read it.
 
@@ -21,6 +24,7 @@ worker_trace_link``); whoever starts the successor request passes that link on w
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -33,113 +37,149 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event as SdkEvent
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from dynamo.observability import otlp
+from dynamo.observability.recording import RecordedSpan, RecordingTracer, Sampler
 from dynamo.protocol.request import PreprocessedRequest, TraceLink
 
 EXPORT_ENV = "OTEL_EXPORT_ENABLED"
 _TRUE = {"1", "true", "yes", "on"}
 _propagator = TraceContextTextMapPropagator()
-_provider: TracerProvider | None = None
-_tracer: trace.Tracer | None = None
-_recording = False
+
+
+class _State:
+    """This process's tracing set-up (module state: one per process)."""
+
+    def __init__(self) -> None:
+        self.configured = False
+        self.resource: dict[str, Any] = {}
+        self.sampler = Sampler()
+        self.exporter: otlp.BatchExporter | None = None
+        self.processors: list[SpanProcessor] = []
+        self.recorder: RecordingTracer | None = None  # set once something records
+
+
+_state = _State()
 
 
 def export_enabled() -> bool:
     return os.environ.get(EXPORT_ENV, "").strip().lower() in _TRUE
 
 
-def setup_tracing(service_name: str) -> TracerProvider:
-    """Install this process's tracer provider (once; later calls return it) and, when
-    ``OTEL_EXPORT_ENABLED=1``, its OTLP exporter. Raises ``ValueError`` for an unknown
-    ``OTEL_EXPORTER_OTLP_PROTOCOL`` or when the exporter is not installed (the ``otlp``
-    extra)."""
-    global _provider
-    if _provider is not None:
-        return _provider
-    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    if export_enabled():
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
-        _set_recording()
-    trace.set_tracer_provider(provider)
-    _provider = provider
-    return provider
+def sdk_disabled() -> bool:
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
-def _otlp_exporter() -> Any:
-    try:
-        return _exporter_for_protocol()
-    except ImportError as exc:
-        raise ValueError(
-            f"{EXPORT_ENV}=1 needs the OTLP exporters (pip install 'dynamo-py[otlp]'): {exc}"
-        ) from None
-
-
-def _exporter_for_protocol() -> Any:
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "grpc"
-    ).strip()
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        return GrpcExporter()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HttpExporter,
-        )
-
-        return HttpExporter()
-    raise ValueError(
-        f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported (grpc or http/protobuf)"
-    )
+def setup_tracing(service_name: str) -> None:
+    """Set up this process's tracing (once; later calls do nothing): its resource
+    (``service.name`` = ``OTEL_SERVICE_NAME`` or ``service_name``, plus
+    ``OTEL_RESOURCE_ATTRIBUTES``), its sampler (``OTEL_TRACES_SAMPLER``) and, when
+    ``OTEL_EXPORT_ENABLED=1``, its OTLP export (flushed at exit). Raises ``ValueError`` for a
+    bad ``OTEL_*`` setting or when the exporter's transport is not installed."""
+    state = _state
+    if state.configured:
+        return
+    resource: dict[str, Any] = {
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "dynamo-py",
+    }
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            resource[key.strip()] = value.strip()
+    resource["service.name"] = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    state.resource = resource
+    state.sampler = Sampler.from_env()
+    if export_enabled() and not sdk_disabled():
+        state.exporter = otlp.BatchExporter(otlp.Encoder(resource), otlp.transport())
+        atexit.register(shutdown_tracing)
+    state.configured = True
+    _rebuild()
 
 
 def add_span_processor(processor: SpanProcessor, service_name: str = "dynamo") -> None:
-    """Send spans to ``processor`` too (an in-memory exporter in tests); recording goes on."""
-    setup_tracing(service_name).add_span_processor(processor)
-    _set_recording()
+    """Send ended spans to an SDK ``processor`` too (as ``ReadableSpan`` s: an in-memory
+    exporter in tests, any SDK exporter in process); recording goes on."""
+    setup_tracing(service_name)
+    _state.processors.append(processor)
+    _rebuild()
 
 
-def _set_recording() -> None:
-    global _recording
-    _recording = True
+def _rebuild() -> None:
+    """The recording tracer for the current sinks (None while nothing records)."""
+    state = _state
+    exporter, processors = state.exporter, list(state.processors)
+    if exporter is None and not processors:
+        state.recorder = None
+        return
+    if not processors:
+        assert exporter is not None
+        sink = exporter.add  # the hot case: straight to the export queue
+    else:
+
+        def sink(span: RecordedSpan) -> None:
+            if exporter is not None:
+                exporter.add(span)
+            readable = _readable(span)
+            for processor in processors:
+                processor.on_end(readable)
+
+    state.recorder = RecordingTracer(sink, state.sampler)
+
+
+def _readable(span: RecordedSpan) -> ReadableSpan:
+    """The SDK's view of an ended span (for SDK processors)."""
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=Resource(_state.resource),
+        attributes=span.attributes,
+        events=[SdkEvent(e.name, e.attributes, e.time_ns) for e in span.events],
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_ns,
+        end_time=span.end_ns,
+        instrumentation_scope=InstrumentationScope("dynamo"),
+    )
 
 
 def recording() -> bool:
     """Whether spans go anywhere (an exporter or an added processor): per-chunk work is done
     only then."""
-    return _recording
+    return _state.recorder is not None
 
 
 def shutdown_tracing() -> None:
-    """Flush and stop the exporters (process exit)."""
-    if _provider is not None:
-        _provider.shutdown()
+    """Send what is queued and stop the exporter and processors (process exit)."""
+    state = _state
+    if state.exporter is not None:
+        state.exporter.shutdown()
+    for processor in state.processors:
+        processor.shutdown()
 
 
 def tracer() -> trace.Tracer:
-    """The tracer every dynamo span comes from (the provider is set up on first use).
+    """The tracer every dynamo span comes from (tracing is set up on first use).
 
-    While nothing records (:func:`recording`), spans are local only: valid ids that continue
-    the parent's trace (so log lines carry the trace id and the request carries a
-    ``traceparent`` a downstream process that does export continues), without the SDK's per-span
-    bookkeeping. ``OTEL_SDK_DISABLED=true`` turns even those off."""
-    global _tracer
-    if _tracer is None:
-        provider = setup_tracing("dynamo")
-        _tracer = provider.get_tracer("dynamo")  # built once: get_tracer is slow
-    if _recording or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return _tracer
-    return _LOCAL
+    While something records (:func:`recording`), spans are :class:`RecordedSpan` s. Otherwise
+    they are local only: valid ids that continue the parent's trace (so log lines carry the
+    trace id and the request carries a ``traceparent`` a downstream process that does export
+    continues), without any bookkeeping. ``OTEL_SDK_DISABLED=true`` turns even those off."""
+    recorder = _state.recorder
+    if recorder is not None:
+        return recorder
+    if not _state.configured:
+        setup_tracing("dynamo")
+        if _state.recorder is not None:
+            return _state.recorder
+    return _NOOP if sdk_disabled() else _LOCAL
 
 
 class _LocalTracer(trace.Tracer):
@@ -202,6 +242,7 @@ class _LocalScope:
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _random = random.Random()
 _LOCAL = _LocalTracer()
+_NOOP = trace.NoOpTracer()
 
 
 # -- context across processes ----------------------------------------------------------------
@@ -298,6 +339,7 @@ __all__ = [
     "links_of",
     "parent_context",
     "recording",
+    "sdk_disabled",
     "setup_tracing",
     "shutdown_tracing",
     "traceparent",

@@ -119,25 +119,33 @@ class RoutingCore:
         pinned_worker: int | None = None,
         dp_rank: int | None = None,
         record: bool = True,
+        overlaps: dict[tuple[int, int], int] | None = None,
     ) -> Selection:
         """Choose a (worker, rank) for a request and (``record``) count its load there.
 
         ``local_hashes``: the prompt's complete blocks (``router.hashing``); ``seq_hashes``
         their chained form (computed if omitted). ``allowed``: the live worker ids to choose
         among (None: every tracked worker); ``pinned_worker``/``dp_rank`` narrow it further
-        (routing hints). Raises ``NoInstances`` when nothing matches and ``Overloaded`` when
-        every match is busy. A duplicate ``request_id`` routes but counts its load once.
+        (routing hints); ``overlaps``: :meth:`find_matches` of ``local_hashes`` when the caller
+        computed it already (it times the phases). Raises ``NoInstances`` when nothing
+        matches and ``Overloaded`` when every match is busy. A duplicate ``request_id``
+        routes but counts its load once.
         """
         targets = self._eligible(allowed, pinned_worker, dp_rank)
         seqs = list(seq_hashes) if seq_hashes is not None else sequence_hashes(local_hashes)
-        index = self.indexer if self.indexer is not None else self.approx
-        assert index is not None
-        overlaps = index.find_matches(local_hashes) if local_hashes else {}
+        if overlaps is None:
+            overlaps = self.find_matches(local_hashes)
         options = self._candidates(targets, seqs, overlaps)
         chosen = select_worker(options, isl_tokens, self.block_size, self.selector, self.rng)
         if record:
             self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
         return chosen
+
+    def find_matches(self, local_hashes: Sequence[int]) -> dict[tuple[int, int], int]:
+        """Matched prefix blocks per (worker, rank) in the index (exact or approximate)."""
+        index = self.indexer if self.indexer is not None else self.approx
+        assert index is not None
+        return index.find_matches(local_hashes) if local_hashes else {}
 
     def record(
         self,

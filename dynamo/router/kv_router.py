@@ -165,6 +165,9 @@ class KVRouter:
 
     # -- the Router seam -------------------------------------------------------------------
     def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
+        """Choose a worker rank and count the request's load there. Each phase is timed into the
+        ``dynamo_router_overhead_*_ms`` histograms (hashing, find_matches, the rest as
+        scheduling)."""
         started = time.perf_counter()
         for card in candidates:  # normally known already (add_worker from discovery)
             if card.instance_id not in self._workers:
@@ -172,8 +175,13 @@ class KVRouter:
         if not candidates:
             raise NoInstances("no live instance")
         request_id = request.request_id or ""
+        begun = time.perf_counter()
         local = local_block_hashes(request.token_ids, self.block_size, lora_name=request.lora_name)
+        hashed = time.perf_counter()
         seqs = sequence_hashes(local)
+        seq_hashed = time.perf_counter()
+        overlaps = self.core.find_matches(local)
+        matched = time.perf_counter()
         isl = len(request.token_ids)
         hints = request.routing
         chosen = self.core.route(
@@ -185,6 +193,7 @@ class KVRouter:
             pinned_worker=hints.backend_instance_id if hints is not None else None,
             dp_rank=hints.dp_rank if hints is not None else None,
             record=False,
+            overlaps=overlaps,
         )
         if not self.core.record(request_id, chosen, seqs, isl, local):
             log.warning("request id %s routed twice; load counted once", request_id)
@@ -199,7 +208,13 @@ class KVRouter:
                 chosen.overlap_blocks,
             )
         if self._metrics is not None:
-            self._metrics.decision_seconds.labels(self.model).observe(time.perf_counter() - started)
+            done = time.perf_counter()
+            overhead = self._metrics.overhead_ms
+            overhead["block_hashing"].observe((hashed - begun) * 1000.0)
+            overhead["seq_hashing"].observe((seq_hashed - hashed) * 1000.0)
+            overhead["indexer_find_matches"].observe((matched - seq_hashed) * 1000.0)
+            overhead["scheduling"].observe((done - matched) * 1000.0)
+            overhead["total"].observe((done - started) * 1000.0)
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )

@@ -2,7 +2,7 @@
 
 Every vLLM engine flag (``AsyncEngineArgs``: ``--block-size``, ``--max-num-seqs``,
 ``--dtype``, ...) is accepted as vLLM spells it; ours are the worker's (runtime, status server,
-``--endpoint``) and ``--kv-events-port``. The worker wiring is
+``--endpoint``) and ``--kv-events`` / ``--no-kv-events``. The worker wiring is
 :mod:`dynamo.backend.serve_engine`, as for every engine.
 """
 
@@ -25,9 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    # vLLM's flags first, then ours, with "resolve": where both define a flag (``--log-level``:
+    # ours is every process's DYN_LOG-style filter), ours replaces vLLM's. vLLM's own level is
+    # its ``--logging-config`` / ``VLLM_LOGGING_LEVEL``.
     parser: argparse.ArgumentParser = FlexibleArgumentParser(
-        "dynamo vllm", description="vLLM's engine behind a dynamo worker", allow_abbrev=False
+        "dynamo vllm",
+        description="vLLM's engine behind a dynamo worker",
+        allow_abbrev=False,
+        conflict_handler="resolve",
     )
+    AsyncEngineArgs.add_cli_args(parser)
     ours = parser.add_argument_group("dynamo vllm")
     add_flag(ours, "--model-path", default=None, help="Hugging Face model directory (vLLM --model)")
     add_flag(ours, "--model-name", default=None, help="served model name")
@@ -41,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="bridge vLLM's KV events to the routers (sets vLLM's --kv-events-config)",
     )
     add_worker_arguments(parser)
-    AsyncEngineArgs.add_cli_args(parser)
     return parser
 
 
@@ -55,6 +61,7 @@ def vllm_engines(args: argparse.Namespace) -> tuple[EngineFactory, WorkerSpec]:
         raise ValueError("--model-path is required")
     args.model = model
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine_args.log_level = None  # ``args.log_level`` is our worker's filter, not vLLM's level
 
     def factory(publisher: KVPublisher) -> VllmEngine:
         return VllmEngine(

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.model_card import EngineCapabilities
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, TopLogprob, Usage
@@ -27,6 +27,7 @@ from dynamo.runtime.context import Context
 from dynamo.runtime.errors import EngineShutdown, InvalidArgument
 from dynamo.vllm.kv_bridge import KVEventBridge, decode_batch
 from dynamo.vllm.sampling import MAX_LOGPROBS, sampling_kwargs
+from dynamo.vllm.stats import SchedulerGauges
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class VllmEngine(LLMEngine):
         self._live: dict[str, set[str]] = {}
         self._events_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._gauges = SchedulerGauges()
+        self._total_blocks = 0
 
     async def start(self, worker_id: int) -> EngineConfig:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -87,7 +90,9 @@ class VllmEngine(LLMEngine):
                 topic="",
             )
         # Builds the engine core process and loads the model: seconds to a minute, blocking.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, args, stat_loggers=[self._gauges.logger_factory()]
+        )
         vconfig = self._llm.vllm_config
         self._context_length = int(vconfig.model_config.max_model_len)
         block_size = int(vconfig.cache_config.block_size)
@@ -95,6 +100,7 @@ class VllmEngine(LLMEngine):
             self.bridge = KVEventBridge(block_size)
             self._events_task = asyncio.create_task(self._relay_kv_events(), name="vllm-kv")
         num_blocks = vconfig.cache_config.num_gpu_blocks
+        self._total_blocks = int(num_blocks or 0)
         sched = vconfig.scheduler_config
         return EngineConfig(
             model=str(vconfig.model_config.model),
@@ -191,6 +197,12 @@ class VllmEngine(LLMEngine):
         if llm is not None and keys:
             await llm.abort(keys)
 
+    def metrics_snapshot(self) -> list[RankMetrics]:
+        """vLLM's last scheduler report (running, waiting, KV usage, prefix-cache hit rate)."""
+        if self._llm is None:
+            return []
+        return self._gauges.snapshot(self._total_blocks)
+
     async def drain(self) -> None:
         self._closed = True
 
@@ -209,16 +221,24 @@ class VllmEngine(LLMEngine):
             await asyncio.to_thread(llm.shutdown)
 
     async def _relay_kv_events(self) -> None:
-        """vLLM's PUB socket -> our event plane, batch by batch, in order."""
+        """vLLM's PUB socket -> our event plane, batch by batch, in order. A batch that cannot
+        be decoded or converted is logged and skipped (the relay never dies on one); a gap in
+        vLLM's sequence numbers (events the PUB socket dropped) is logged."""
         sub = self._sub
         assert self.bridge is not None and self.kv_event_sink is not None and sub is not None
+        expected_seq: int | None = None
         try:
             while True:
                 frames = await sub.recv_multipart()
+                if len(frames) >= 3 and len(frames[-2]) == 8:
+                    seq = int.from_bytes(frames[-2], "big")
+                    if expected_seq is not None and seq != expected_seq:
+                        log.warning("vLLM KV events %d..%d lost", expected_seq, seq - 1)
+                    expected_seq = seq + 1
                 try:
                     _, events, dp_rank = decode_batch(frames[-1])
                     converted = self.bridge.convert(events, dp_rank or 0)
-                except (ValueError, TypeError, IndexError) as exc:
+                except Exception as exc:  # noqa: BLE001 - one bad batch must not end the relay
                     log.warning("undecodable vLLM KV event batch: %s", exc)
                     continue
                 if converted:

@@ -205,7 +205,15 @@ async def test_router_metrics_are_exposed(stack: Stack) -> None:
     await asyncio.sleep(0.1)  # the request's KV events reach the router
     await chat(stack, prompt(1, 1))
     text = (await client.get("/metrics")).text
-    assert "dynamo_router_overhead_total_seconds_count" in text
+    assert stack.frontend is not None
+    router_id = str(stack.frontend.router_metrics.router_id)
+    for phase in ("block_hashing", "seq_hashing", "indexer_find_matches", "scheduling", "total"):
+        name = f"dynamo_router_overhead_{phase}_ms"
+        count = f'{name}_count{{router_id="{router_id}"}} 2.0'
+        assert count in text, name  # one observation per routed request
+    # the reference's buckets: hashing from 1 us doubling, the others from 10 us tripling
+    assert 'dynamo_router_overhead_block_hashing_ms_bucket{le="0.001",' in text
+    assert 'dynamo_router_overhead_total_ms_bucket{le="0.03",' in text
     assert "dynamo_router_kv_hit_rate_bucket" in text
     assert 'dynamo_component_kv_cache_events_applied_total{event_type="stored",status="ok"}' in text
 

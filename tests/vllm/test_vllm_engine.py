@@ -1,6 +1,8 @@
 """``VllmEngine`` (vLLM's AsyncLLM in process) on a tiny random Llama built at test time: the
-conformance kit, greedy output equal to transformers', cancellation, guided choice, and KV
-events bridged with our block hashes. One engine per module (a vLLM start takes 30-70 s)."""
+conformance kit, greedy output equal to transformers', cancellation (vLLM's blocks freed), guided
+choice, and KV events bridged with our block hashes: the router's view built from them predicts
+vLLM's own prefix-cache hits through evictions. One engine per module (a vLLM start takes
+30-70 s)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from dynamo.backend.testing import check_engine
-from dynamo.protocol.kv_events import BlocksStored, KVEventBatch
+from dynamo.protocol.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEventBatch
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import (
     GuidedDecodingOptions,
@@ -22,7 +24,7 @@ from dynamo.protocol.request import (
     SamplingOptions,
     StopConditions,
 )
-from dynamo.router.hashing import local_block_hashes
+from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.runtime.context import Context
 from dynamo.vllm.engine import VllmEngine
 from tests.tiny_models import build, hf_greedy
@@ -38,7 +40,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("llama_hd64", tmp_path_factory.getbasetemp())
 
 
-def engine_args(model: Path) -> Any:
+NUM_BLOCKS = 24  # small, so that the view test evicts
+
+
+def engine_args(model: Path, **overrides: Any) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -49,6 +54,8 @@ def engine_args(model: Path) -> Any:
         max_num_seqs=16,
         max_num_batched_tokens=512,
         enable_prefix_caching=True,
+        enforce_eager=True,  # no torch.compile: start-up in seconds, not minutes, on CPU
+        **overrides,
     )
 
 
@@ -59,7 +66,7 @@ async def engine(model_dir: Path) -> AsyncIterator[tuple[VllmEngine, list[KVEven
     async def sink(batch: KVEventBatch) -> None:
         batches.append(batch)
 
-    eng = VllmEngine(engine_args(model_dir), kv_event_sink=sink)
+    eng = VllmEngine(engine_args(model_dir, num_gpu_blocks_override=NUM_BLOCKS), kv_event_sink=sink)
     await eng.start(5)
     yield eng, batches
     await eng.cleanup()
@@ -101,11 +108,6 @@ async def test_greedy_matches_transformers(
         assert out[-1].usage is not None and out[-1].usage.completion_tokens == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: no KV event from vLLM reaches the bridge yet (its publisher connects to our "
-    "bound SUB socket; not yet found why nothing arrives)",
-)
 async def test_kv_events_carry_our_hashes(
     engine: tuple[VllmEngine, list[KVEventBatch]],
 ) -> None:
@@ -133,10 +135,10 @@ async def test_kv_events_carry_our_hashes(
     assert again[-1].usage.cached_tokens == len(prompts[3]) // BS * BS
 
 
-async def test_cancellation_aborts_and_the_engine_goes_on(
+async def test_cancellation_aborts_and_frees_vllm_blocks(
     engine: tuple[VllmEngine, list[KVEventBatch]],
 ) -> None:
-    eng, _ = engine
+    eng, batches = engine
     ctx = Context()
     chunks: list[LLMEngineOutput] = []
     async for out in eng.generate(request_for(list(range(5, 40)), 200, temperature=1.0), ctx):
@@ -145,8 +147,65 @@ async def test_cancellation_aborts_and_the_engine_goes_on(
             ctx.stop_generating()
     assert chunks[-1].finish_reason is FinishReason.CANCELLED
     assert len(ids(chunks)) < 200
+    # vLLM's request is aborted and its blocks freed: the scheduler reports nothing running, and
+    # the prefix cache can be reset (vLLM refuses while any block is in use).
+    llm: Any = eng._llm
+    for _ in range(200):
+        if eng.metrics_snapshot()[0].num_running == 0 and await llm.reset_prefix_cache():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"vLLM still holds the cancelled request: {eng.metrics_snapshot()}")
     out = await run(eng, request_for(list(range(5, 40)), 3, greedy=True))
     assert len(ids(out)) == 3
+    # The reset reached the router's view as a "cleared" event, then the new request's block.
+    await settled(batches)
+    assert any(isinstance(e.data, AllBlocksCleared) for b in batches for e in b.events)
+    assert eng.bridge is not None
+    assert eng.bridge.stored_hashes() == set(
+        sequence_hashes(local_block_hashes(list(range(5, 40)), BS))
+    )
+
+
+async def settled(batches: list[KVEventBatch]) -> None:
+    """Until no KV event batch has arrived for 0.3 s (vLLM publishes each step's events at the
+    end of the step; they cross a ZMQ socket)."""
+    seen = -1
+    for _ in range(100):
+        await asyncio.sleep(0.3)
+        if len(batches) == seen:
+            return
+        seen = len(batches)
+
+
+async def test_router_view_predicts_vllm_prefix_hits_through_evictions(
+    engine: tuple[VllmEngine, list[KVEventBatch]],
+) -> None:
+    """More distinct prompts than the cache holds: vLLM evicts, the bridge relays the removals,
+    and for every prompt the overlap the router would compute from the bridged view equals the
+    prefix-cache hit vLLM reports when the prompt is sent again."""
+    eng, batches = engine
+    assert eng.bridge is not None
+    prompts = [[(i * 131 + j * 7) % 380 + 5 for j in range(100)] for i in range(10)]  # 3 blocks
+    for p in prompts:
+        await run(eng, request_for(p, 2, greedy=True))
+    await settled(batches)
+    assert eng.bridge.num_blocks <= NUM_BLOCKS - 1  # vLLM's null block is never cached
+    assert any(isinstance(e.data, BlocksRemoved) for b in batches for e in b.events)
+    hits = []
+    for p in reversed(prompts):
+        view = eng.bridge.stored_hashes()
+        predicted = 0
+        for h in sequence_hashes(local_block_hashes(p, BS)):
+            if h not in view:
+                break
+            predicted += 1
+        out = await run(eng, request_for(p, 2, greedy=True))
+        assert out[-1].usage is not None
+        assert out[-1].usage.cached_tokens == predicted * BS, (predicted, out[-1].usage)
+        hits.append(predicted)
+        await settled(batches)
+    assert 0 < sum(hits) < 3 * len(prompts), hits  # some prompts were kept, some evicted
 
 
 async def test_guided_choice_and_seeded_sampling(

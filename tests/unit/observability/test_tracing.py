@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
 from dynamo.backend.adapter import EngineAdapter, output_encoder
-from dynamo.observability import tracing
+from dynamo.observability import otlp, tracing
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions, TraceLink
 from dynamo.runtime.context import Context
@@ -113,7 +113,7 @@ def test_traceparent_round_trip(spans: SpanCapture) -> None:
 def test_unknown_otlp_protocol_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ValueError, match="carrier-pigeon"):
-        tracing._otlp_exporter()  # noqa: SLF001
+        otlp.transport()
 
 
 def test_local_spans_carry_ids_without_recording() -> None:

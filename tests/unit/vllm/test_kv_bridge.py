@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dynamo.protocol.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
+from dynamo.protocol.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, StoredBlock
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.vllm.kv_bridge import KVEventBridge, decode_batch
@@ -67,3 +67,56 @@ def test_the_router_matches_a_prefix_from_bridged_events() -> None:
     for e in bridge.convert([["BlockRemoved", [14, 13], None]]):
         assert index.apply(3, e) is EventStatus.OK
     assert index.find_matches(query) == {(3, 0): 2}
+
+
+def test_vllm_032_map_events_and_byte_hashes_are_read() -> None:
+    """vLLM 0.32 sends each event as a map tagged ``type`` (its ``KVCacheEvent`` is not
+    ``array_like``), with trailing fields of its own; hashes may be raw bytes."""
+    tokens = list(range(1, 9))
+    batch = [
+        2.0,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [b"\x01" * 32],
+                "parent_block_hash": None,
+                "token_ids": tokens[:4],
+                "block_size": BS,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+                "group_idx": 0,
+            },
+            {
+                "type": "BlockStored",
+                "block_hashes": [-3],
+                "parent_block_hash": b"\x01" * 32,
+                "token_ids": tokens[4:],
+                "block_size": BS,
+            },
+            {"type": "BlockRemoved", "block_hashes": [(1 << 64) - 3], "medium": "CPU"},
+        ],
+    ]
+    _, events, dp_rank = decode_batch(_enc.encode(batch))
+    assert dp_rank is None
+    bridge = KVEventBridge(BS)
+    out = bridge.convert(events)
+    chained = sequence_hashes(local_block_hashes(tokens, BS))
+    assert [type(e.data) for e in out] == [BlocksStored, BlocksStored, BlocksRemoved]
+    assert out[1].data == BlocksStored(
+        parent_hash=chained[0],
+        blocks=[StoredBlock(block_hash=chained[1], tokens_hash=local_block_hashes(tokens, BS)[1])],
+    )
+    assert out[2].data == BlocksRemoved(block_hashes=[chained[1]])
+    assert bridge.stored_hashes() == {chained[0]}
+    cleared = bridge.convert([{"type": "AllBlocksCleared"}])
+    assert isinstance(cleared[0].data, AllBlocksCleared) and bridge.num_blocks == 0
+
+
+def test_malformed_events_raise_value_or_type_errors() -> None:
+    bridge = KVEventBridge(BS)
+    with pytest.raises(ValueError, match="without"):
+        bridge.convert([{"type": "BlockStored", "block_hashes": [1]}])
+    with pytest.raises(TypeError, match="int or bytes"):
+        bridge.convert([{"type": "BlockRemoved", "block_hashes": ["x"]}])
+    assert bridge.convert([{"no": "type"}, 7, []]) == []

@@ -1,0 +1,77 @@
+"""vLLM's scheduler statistics as the worker's per-rank gauges (``RankMetrics``).
+
+vLLM reports a ``SchedulerStats`` (running and waiting requests, KV cache usage, prefix-cache
+queries and hits) with every engine step to the stat loggers of its ``AsyncLLM``;
+:meth:`SchedulerGauges.logger_factory` is such a logger, and :meth:`SchedulerGauges.snapshot`
+turns the last report into what ``LLMEngine.metrics_snapshot()`` returns. vLLM sends a last
+report after the step that frees an aborted or finished request, so the gauges go back to zero
+when it is idle.
+
+vLLM is imported only when the factory is called (inside ``AsyncLLM``'s construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dynamo.backend.engine import RankMetrics
+
+
+class SchedulerGauges:
+    """The last scheduler report of one vLLM engine (dp rank 0), and its prefix-cache totals."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def record(self, stats: Any) -> None:
+        """One vLLM ``SchedulerStats``."""
+        self.num_running = int(stats.num_running_reqs)
+        self.num_waiting = int(stats.num_waiting_reqs)
+        self.kv_usage = float(stats.kv_cache_usage)
+        prefix = stats.prefix_cache_stats
+        if prefix is not None:
+            self.prefix_queries += int(prefix.queries)
+            self.prefix_hits += int(prefix.hits)
+
+    def snapshot(self, total_blocks: int) -> list[RankMetrics]:
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+        return [
+            RankMetrics(
+                dp_rank=0,
+                kv_total_blocks=total_blocks,
+                kv_used_blocks=round(self.kv_usage * total_blocks),
+                num_running=self.num_running,
+                num_waiting=self.num_waiting,
+                prefix_cache_hit_rate=hit_rate,
+            )
+        ]
+
+    def logger_factory(self) -> Callable[..., Any]:
+        """A vLLM ``StatLoggerFactory`` whose loggers feed these gauges."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        gauges = self
+
+        class _Logger(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped here
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.engine_index = engine_index
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                if scheduler_stats is not None:
+                    gauges.record(scheduler_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
