@@ -32,12 +32,12 @@ chromium:
 test: lint servers chromium
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-# The suites that use the two C extensions, again with their pure-Python fallbacks forced
+# The suites that use the C extensions, again with their pure-Python fallbacks forced
 # (DYN_NATIVE=0, see dynamo/native.py): the package must work where they cannot be built.
 FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
 	tests/unit/runtime/test_http_server_write_behind.py tests/unit/slot_tracker \
 	tests/integration/test_kv_routing.py tests/e2e/test_slot_tracker_api.py \
-	tests/e2e/test_slot_tracker_replicas.py
+	tests/e2e/test_slot_tracker_replicas.py tests/unit/pytorch/test_attention.py
 
 test-fallback: $(VENV)/.installed
 	DYN_NATIVE=0 $(VENV)/bin/pytest -q -p no:cacheprovider $(FALLBACK_SUITES)

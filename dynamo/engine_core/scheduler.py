@@ -163,6 +163,7 @@ class Scheduler:
         scheduled: dict[int, tuple[Sequence, int]] = {}
         running = self._running
         i = 0
+        # per running request on every pass: attribute reads are cached in locals
         while i < len(running) and budget > 0:
             seq = running[i]
             i += 1
@@ -170,7 +171,8 @@ class Scheduler:
                 if seq.ready_at > now:
                     continue
                 seq.pending_transfer = False
-            if seq.num_computed_tokens >= seq.prefill_end and len(seq.tokens) > bs * (
+            num_tokens = len(seq.tokens)
+            if seq.num_computed_tokens >= seq.prefill_end and num_tokens > bs * (
                 len(seq.full_blocks) + len(seq.unique_blocks)
             ):  # a decode whose token starts a new block
                 while not self._grow(seq):
@@ -185,18 +187,26 @@ class Scheduler:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
-            n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+            n = num_tokens - seq.num_computed_tokens
+            if n > budget:
+                n = budget
             scheduled[id(seq)] = (seq, n)
             budget -= n
         if not out.preempted:
             budget = self._admit_waiting(now, budget, scheduled)
-        out.entries = list(scheduled.values())
-        for seq, n in out.entries:
+        out.entries = entries = list(scheduled.values())
+        prefill_tokens = decodes = context = 0
+        for seq, n in entries:
             if seq.num_computed_tokens >= seq.prefill_end:
-                out.num_decodes += 1
-                out.decode_context_tokens += len(seq.tokens)
+                decodes += 1
+                context += len(seq.tokens)
             else:
-                out.num_prefill_tokens += n
+                prefill_tokens += n
+        out.num_prefill_tokens, out.num_decodes, out.decode_context_tokens = (
+            prefill_tokens,
+            decodes,
+            context,
+        )
         return out
 
     def _admit_waiting(
@@ -296,9 +306,10 @@ class Scheduler:
         for entries that do not sample) and retire the finished."""
         out = UpdateResult()
         bs, caching = self.config.block_size, self.config.enable_prefix_caching
-        tokens_out = out.tokens
+        tokens_out, finished = out.tokens, out.finished
+        running_status = SequenceStatus.RUNNING
         for (seq, n), token in zip(batch.entries, sampled, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # aborted while the pass ran
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and seq.unique_blocks and computed >= (len(seq.full_blocks) + 1) * bs:
@@ -312,12 +323,12 @@ class Scheduler:
             reason = seq.finish_after(token)
             if reason is not None:
                 seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
-                out.finished.append(seq)
-        if out.finished:
-            for seq in out.finished:
+                finished.append(seq)
+        if finished:
+            for seq in finished:
                 self._free(seq)
                 del self._requests[seq.request_id]
-            self._running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
+            self._running = [s for s in self._running if s.status is running_status]
         out.events = self.kv.drain_events()
         return out
 

@@ -16,7 +16,7 @@ from dynamo.engine_core.config import SchedulerLimits
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest
-from dynamo.router.hashing import local_block_hashes, next_sequence_hash
+from dynamo.router.hashing import block_hash, block_seed, local_block_hashes, next_sequence_hash
 from dynamo.runtime.errors import InvalidArgument
 
 
@@ -74,8 +74,11 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     full_blocks: list[int] = field(default_factory=list)
     unique_blocks: list[int] = field(default_factory=list)
+    hash_seed: int = 0
+    """The block hash seed of this request (its LoRA's), computed once."""
 
     def __post_init__(self) -> None:
+        self.hash_seed = block_seed(self.lora_name)
         if len(self.local_hashes) != len(self.tokens) // self.block_size:  # not handed in
             self.local_hashes = local_block_hashes(
                 self.tokens, self.block_size, lora_name=self.lora_name
@@ -101,18 +104,19 @@ class Sequence:
 
     def append_token(self, token: int) -> None:
         """Add a sampled token; hash the block it completes (if any)."""
-        self.tokens.append(token)
+        tokens = self.tokens
+        tokens.append(token)
         bs = self.block_size
-        if len(self.tokens) % bs == 0:
-            start = len(self.tokens) - bs
-            local = local_block_hashes(self.tokens[start:], bs, lora_name=self.lora_name)[0]
-            parent = self.block_hashes[-1] if self.block_hashes else None
+        n = len(tokens)
+        if n % bs == 0:  # per token on the hot path: only a completed block costs more
+            local = block_hash(tokens[n - bs :], self.hash_seed)
+            chain = self.block_hashes
             self.local_hashes.append(local)
-            self.block_hashes.append(local if parent is None else next_sequence_hash(parent, local))
+            chain.append(next_sequence_hash(chain[-1], local) if chain else local)
 
     def finish_after(self, token: int) -> FinishReason | None:
         """The finish reason once ``token`` has been appended, or None to keep going."""
-        n = self.num_output_tokens
+        n = len(self.tokens) - self.num_prompt_tokens  # num_output_tokens, on the hot path
         if n >= self.max_tokens:
             return FinishReason.LENGTH
         if n >= self.min_tokens and token in self.stop_token_ids:

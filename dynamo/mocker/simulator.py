@@ -67,8 +67,7 @@ class MockerScheduler(Scheduler):
         out.duration = self.timing.pass_seconds(
             batch.num_prefill_tokens, batch.decode_context_tokens, batch.num_decodes
         )
-        sample, samples = self._sampler.sample, batch.samples
-        sampled = [sample(seq) if samples(seq, n) else None for seq, n in batch.entries]
+        sampled = self._sampler.sample_batch(batch.entries)
         result = self.update(batch, sampled)
         out.tokens, out.finished, out.events = result.tokens, result.finished, result.events
         return out
@@ -78,13 +77,6 @@ _LCG_MUL = 6364136223846793005  # Knuth's MMIX 64-bit LCG: cheap, plenty for moc
 _LCG_INC = 1442695040888963407
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
-
-
-def _mix64(z: int) -> int:
-    """SplitMix64's finalizer: a well-spread 64-bit state from (seed, position)."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 class TokenSampler:
@@ -104,13 +96,29 @@ class TokenSampler:
         self._vocab_size = vocab_size
         self._excluded = excluded
 
-    def sample(self, seq: Sequence) -> int:
-        """The id of ``seq``'s next position. Rejection sampling (an LCG walk from the mixed
-        state): special ids are few, so this almost never loops."""
-        vocab, excluded, banned = self._vocab_size, self._excluded, seq.banned_token_ids
-        state = _mix64((seq.rng_state + _GOLDEN * (len(seq.tokens) + 1)) & _MASK64)
-        while True:
-            token = ((state >> 32) * vocab) >> 32
-            if token not in excluded and token not in banned:
-                return token
-            state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+    def sample_batch(self, entries: list[tuple[Sequence, int]]) -> list[int | None]:
+        """The next id of each batch entry ``(seq, n)`` that samples in this pass (it reaches
+        the end of its known tokens: ``ScheduledBatch.samples``), None for the others. One call
+        per pass: this runs for every output token. Rejection sampling (an LCG walk from the
+        mixed state): special ids are few, so this almost never loops."""
+        vocab, excluded = self._vocab_size, self._excluded
+        out: list[int | None] = []
+        append = out.append
+        for seq, n in entries:
+            position = len(seq.tokens)
+            if seq.num_computed_tokens + n < position:
+                append(None)
+                continue
+            # SplitMix64's finalizer: a well-spread 64-bit state from (seed, position)
+            z = (seq.rng_state + _GOLDEN * (position + 1)) & _MASK64
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+            state = z ^ (z >> 31)
+            banned = seq.banned_token_ids
+            while True:
+                token = ((state >> 32) * vocab) >> 32
+                if token not in excluded and token not in banned:
+                    break
+                state = (state * _LCG_MUL + _LCG_INC) & _MASK64
+            append(token)
+        return out

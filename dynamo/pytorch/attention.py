@@ -9,14 +9,16 @@ Pool layout (per layer, one for K and one for V), head-major::
 Head-major, so that gathering a sequence's blocks (``index_select`` on dim 1) directly gives
 the ``[kv_heads, keys, head_dim]`` operand attention wants, with no transpose copy.
 
-Choice (CPU first, measured in docs/performance.md): all *decode* rows at once (their blocks
+Choice (CPU first, measured in docs/performance.md): one SDPA call per *prefill* chunk (many
+queries per call, SDPA's causal kernel; a chunk with no cached context attends over the K/V the
+pass just computed, without reading them back from the pool), and all *decode* rows at once.
+Decode on CPU float32 runs the C kernel ``dynamo.pytorch._paged_attn``, which reads each row's
+blocks in place (no gather, no padding; the GIL is released). Elsewhere (another dtype or
+device, the kernel not built, ``DYN_NATIVE=0``) decode runs on torch ops: the rows' blocks
 gathered into a padded ``[kv_heads, B, max_ctx]`` tensor, padding masked by an additive bias,
-batched matmuls per (KV head, row), the query heads of a group sharing their K/V), and one SDPA
-call per *prefill* chunk (many queries per call, SDPA's causal kernel). Measured at 32 decode
-rows x 192 keys: SDPA with a mask spent most of its time in per-(row, head) work; advanced
-indexing gathered ~3x slower than ``index_select``; the token-major pool needed a transpose
-copy of every gathered K/V. Writing all new K/V of a layer before any read makes a prefix
-computed earlier in the same pass visible to every sequence that shares it.
+batched matmuls per (KV head, row), the query heads of a group sharing their K/V. Writing all
+new K/V of a layer before any read makes a prefix computed earlier in the same pass visible to
+every sequence that shares it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dynamo import native
+
+_KERNEL = native.load_optional("dynamo.pytorch._paged_attn")
+
+
+def native_decode(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode rows of pools of ``dtype`` on ``device`` run the C kernel."""
+    return _KERNEL is not None and dtype == torch.float32 and device.type == "cpu"
 
 
 @dataclass(slots=True)
@@ -49,12 +60,52 @@ class AttentionMetadata:
     write_rows: torch.Tensor | None
     """The rows written, when not all of them (a recomputed token of a cached block)."""
     prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor | None
-    """Rows of the decode entries (one query each), in ``decode_tables`` order."""
-    decode_tables: torch.Tensor | None
-    """``[B, max_blocks]`` block tables of the decode rows, padded with block 0."""
-    decode_bias: torch.Tensor | None
-    """``[1, B, 1, max_blocks * block_size]`` float32: 0 where a key exists, -inf on padding."""
+    decode: DecodeRows | None
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """The decode entries of a pass (one query each), built by ``decode_rows``."""
+
+    rows: torch.Tensor
+    """``[B]`` int64: their rows in the batch."""
+    tables: torch.Tensor
+    """``[B, max_blocks]`` int64 block tables, padded with block 0."""
+    lens: torch.Tensor
+    """``[B]`` int64: keys per row (the row's own position + 1)."""
+    bias: torch.Tensor | None
+    """Torch path only: ``[kv_heads * B, group, max_blocks * block_size]`` float, 0 where a key
+    exists and -inf on padding (KV-head-major, as the gathered K/V); None for the kernel."""
+
+
+def decode_rows(
+    rows: list[int],
+    tables: list[list[int]],
+    lens: list[int],
+    *,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeRows:
+    """The decode metadata of a pass, for the path ``native_decode`` picks for ``dtype`` and
+    ``device`` (the pools' dtype and device)."""
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    out = DecodeRows(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        tables=torch.tensor(padded, dtype=torch.int64, device=device),
+        lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        bias=None,
+    )
+    if not native_decode(dtype, device):
+        keys = torch.arange(width * block_size, device=device).unsqueeze(0)
+        bias = torch.zeros(len(rows), width * block_size, dtype=dtype, device=device)
+        bias.masked_fill_(keys >= out.lens.unsqueeze(1), float("-inf"))
+        out.bias = bias.expand(kv_heads, group, -1, -1).transpose(1, 2)
+        out.bias = out.bias.reshape(kv_heads * len(rows), group, width * block_size)
+    return out
 
 
 def write_kv(
@@ -74,46 +125,94 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Attention of the rows' queries ``q [T, heads, head_dim]`` over their sequences' cached
-    K/V (already written for this pass). Returns ``[T, heads, head_dim]``."""
-    out = torch.empty_like(q)
+    K/V (already written for this pass; ``k`` and ``v`` ``[T, kv_heads, head_dim]`` are the
+    pass's new ones). Returns ``[T, heads, head_dim]``, contiguous."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kv_heads, head_dim = k_pool.shape[0], k_pool.shape[3]
     gqa = q.shape[1] != kv_heads
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_queries)
         n = span.context_len
-        k = k_pool.index_select(1, span.block_table).view(kv_heads, -1, head_dim)[:, :n]
-        v = v_pool.index_select(1, span.block_table).view(kv_heads, -1, head_dim)[:, :n]
+        if n == span.num_queries:  # no cached context: all its K/V are this pass's rows
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
+            ks = k_pool.index_select(1, span.block_table).view(kv_heads, -1, head_dim)[:, :n]
+            vs = v_pool.index_select(1, span.block_table).view(kv_heads, -1, head_dim)[:, :n]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
+            ks.unsqueeze(0),
+            vs.unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
             scale=scale,
             enable_gqa=gqa,
         )
         out[rows] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_rows is not None:
-        out.index_copy_(0, meta.decode_rows, _decode_attention(q, k_pool, v_pool, meta, scale))
+    decode = meta.decode
+    if decode is not None:
+        if decode.bias is None:
+            _native_decode(q, out, k_pool, v_pool, decode, scale)
+        else:
+            out.index_copy_(0, decode.rows, _torch_decode(q, k_pool, v_pool, decode, scale))
     return out
 
 
-def _decode_attention(
+def _native_decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode: DecodeRows,
+    scale: float,
+) -> None:
+    """The C kernel writes the decode rows of ``out`` (checks: its module comment's layout)."""
+    assert _KERNEL is not None
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, num_blocks, block_size = k_pool.shape[0], k_pool.shape[1], k_pool.shape[2]
+    for t in (k_pool, v_pool, decode.rows, decode.tables, decode.lens, out):
+        assert t.is_contiguous()
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.shape == q.shape
+    assert q.dtype == out.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+    _KERNEL.decode(
+        q.data_ptr(),
+        out.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        decode.rows.data_ptr(),
+        decode.tables.data_ptr(),
+        decode.lens.data_ptr(),
+        decode.rows.shape[0],
+        q.shape[0],
+        heads,
+        kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        decode.tables.shape[1],
+        q.stride(0),
+        out.stride(0),
+        scale,
+    )
+
+
+def _torch_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    meta: AttentionMetadata,
+    decode: DecodeRows,
     scale: float,
 ) -> torch.Tensor:
     """One query per row over its padded, masked context: ``[B, heads, head_dim]``."""
-    rows, tables, bias = meta.decode_rows, meta.decode_tables, meta.decode_bias
-    assert rows is not None and tables is not None and bias is not None
+    tables, bias = decode.tables, decode.bias
+    assert bias is not None
     b = tables.shape[0]
     kv_heads, head_dim = k_pool.shape[0], k_pool.shape[3]
     group = q.shape[1] // kv_heads
@@ -121,10 +220,9 @@ def _decode_attention(
     # [kv_heads * B, keys, head_dim]: contiguous straight out of the gather.
     k = k_pool.index_select(1, flat).view(kv_heads * b, -1, head_dim)
     v = v_pool.index_select(1, flat).view(kv_heads * b, -1, head_dim)
-    qg = q.index_select(0, rows).view(b, kv_heads, group, head_dim).transpose(0, 1)
+    qg = q.index_select(0, decode.rows).view(b, kv_heads, group, head_dim).transpose(0, 1)
     qg = qg.reshape(kv_heads * b, group, head_dim)
-    full_bias = bias.expand(kv_heads, b, group, -1).reshape(kv_heads * b, group, -1)
-    scores = torch.baddbmm(full_bias.to(q.dtype), qg, k.transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     o = torch.bmm(probs, v).view(kv_heads, b, group, head_dim).transpose(0, 1)
     return o.reshape(b, kv_heads * group, head_dim)

@@ -15,7 +15,7 @@ import torch
 
 from dynamo.engine_core.kv_manager import KVManager
 from dynamo.engine_core.scheduler import ScheduledBatch
-from dynamo.pytorch.attention import AttentionMetadata, PrefillSpan
+from dynamo.pytorch.attention import AttentionMetadata, PrefillSpan, decode_rows
 from dynamo.pytorch.kv_cache import KVCache
 from dynamo.pytorch.model import CausalLM
 from dynamo.pytorch.sampler import RequestSampler, Sampled, SampleRow, sample
@@ -83,7 +83,7 @@ class ModelRunner:
         write_slots: list[int] = []
         write_rows: list[int] = []
         prefills: list[PrefillSpan] = []
-        decode_rows: list[int] = []
+        decode_row_ids: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         logits_rows: list[int] = []
@@ -105,7 +105,7 @@ class ModelRunner:
                     write_slots.append(table[p // bs] * bs + p % bs)
             num_blocks = -(-end // bs)
             if n == 1:
-                decode_rows.append(row)
+                decode_row_ids.append(row)
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(end)
             else:
@@ -126,12 +126,20 @@ class ModelRunner:
             if all_written
             else torch.tensor(write_rows, dtype=torch.int64, device=dev),
             prefills=prefills,
-            decode_rows=None,
-            decode_tables=None,
-            decode_bias=None,
+            decode=None,
         )
-        if decode_rows:
-            self._decode_metadata(meta, decode_rows, decode_tables, decode_lens)
+        if decode_row_ids:
+            cfg = self.model.config
+            meta.decode = decode_rows(
+                decode_row_ids,
+                decode_tables,
+                decode_lens,
+                block_size=bs,
+                kv_heads=cfg.num_kv_heads,
+                group=cfg.num_heads // cfg.num_kv_heads,
+                dtype=self.model.dtype,
+                device=dev,
+            )
         return _Inputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -153,25 +161,6 @@ class ModelRunner:
             context_len=end,
             block_table=torch.tensor(table, dtype=torch.int64, device=dev),
             mask=mask,
-        )
-
-    def _decode_metadata(
-        self,
-        meta: AttentionMetadata,
-        rows: list[int],
-        tables: list[list[int]],
-        lens: list[int],
-    ) -> None:
-        dev, bs = self.device, self.block_size
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        meta.decode_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-        meta.decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)
-        keys = torch.arange(width * bs, device=dev).unsqueeze(0)
-        lengths = torch.tensor(lens, dtype=torch.int64, device=dev).unsqueeze(1)
-        bias = torch.zeros(len(rows), width * bs, dtype=torch.float32, device=dev)
-        meta.decode_bias = bias.masked_fill_(keys >= lengths, float("-inf")).view(
-            1, len(rows), 1, width * bs
         )
 
 

@@ -35,6 +35,10 @@ class Deployment:
     prefill_workers: int = 0
     prefill_engine: MockerConfig | None = None
     disagg: DisaggSettings = field(default_factory=DisaggSettings)
+    router_seed: int | None = None
+    """Seeds the routers' random choices (tie-breaks between equal-cost workers, the random
+    router); None: the workload's ``--seed``. Replaying one workload under several router seeds
+    shows how much of a figure is tie-break luck."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -77,6 +81,8 @@ class Deployment:
             "speedup_ratio": eng.speedup_ratio,
             "decode_speedup_ratio": eng.decode_speedup_ratio,
         }
+        if self.router_seed is not None:
+            out["router_seed"] = self.router_seed
         if self.router_mode == "kv":
             out["kv_router"] = dataclasses.asdict(self.kv)
         return out

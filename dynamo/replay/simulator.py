@@ -112,7 +112,7 @@ class Simulation:
         self.load = load
         self._sessions = sessions
         self._warmup = warmup
-        self.decode_pool_text = decode_text
+        self._decode_text = decode_text
         self._heap: list[tuple[float, int, int, object]] = []
         self._counter = itertools.count()
         self.now = 0.0
@@ -121,7 +121,7 @@ class Simulation:
         self._timeouts: deque[tuple[float, Flight]] = deque()
         self._remote_prefills = 0  # disaggregated: prefills in flight on prefill workers
         self._prefix = "replay"
-        seed = load.seed
+        seed = load.seed if deployment.router_seed is None else deployment.router_seed
         self.decode_pool = build_pool(
             deployment,
             deployment.decode_config(),
@@ -389,8 +389,8 @@ class Simulation:
             if record.cached_tokens is None:
                 record.cached_tokens = seq.num_cached_tokens or 0
             record.finish_reason = "length" if seq.finish_reason is None else _finish(seq)
-            if self.decode_pool_text is not None:
-                record.text = self.decode_pool_text(seq.tokens[seq.num_prompt_tokens :])
+            if self._decode_text is not None:
+                record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
             self._finish(flight)
         if rank.sched.has_work:
             rank.state = SCHEDULED

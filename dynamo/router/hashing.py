@@ -73,6 +73,13 @@ def local_block_hashes(
     return out
 
 
+def block_hash(tokens: Sequence[int], seed: int = XXH3_SEED) -> int:
+    """The local hash of one complete block (``seed`` from :func:`block_seed`): what
+    ``local_block_hashes`` computes per block, for callers that hash one block at a time (a
+    decode filling its tail block)."""
+    return _xxh3(_token_bytes(tokens), seed)
+
+
 def next_sequence_hash(parent: int, local: int) -> int:
     return _xxh3(_PAIR.pack(parent, local), XXH3_SEED)
 

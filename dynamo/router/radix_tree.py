@@ -142,7 +142,24 @@ class RadixTree:
         lookup = self._lookups.get(slot)
         if lookup is None:
             return len(block_hashes)
-        return sum(1 for b in block_hashes if not self._remove_one(slot, lookup, b, removed))
+        unknown, i, n = 0, 0, len(block_hashes)
+        while i < n:
+            b = block_hashes[i]
+            node = lookup.get(b)
+            i += 1
+            if node is None:
+                unknown += 1
+                continue
+            # An engine evicts a released chain tail first: the ids that follow are often the
+            # blocks just before this one in its run. Removing the earliest of them removes the
+            # rest with it (descendants go too), so the run is cut once, not once per block.
+            ids = node.held[slot]
+            t = index_of(ids, b)
+            while i < n and t > 0 and block_hashes[i] == ids[t - 1]:
+                t -= 1
+                i += 1
+            self._remove_at(slot, lookup, node, t, removed)
+        return unknown
 
     def clear(self, slot: int) -> None:
         """Drop every block of the slot."""
@@ -285,7 +302,13 @@ class RadixTree:
         node = lookup.get(b)
         if node is None:
             return False
-        t = index_of(node.held[slot], b)
+        self._remove_at(slot, lookup, node, index_of(node.held[slot], b), removed)
+        return True
+
+    def _remove_at(
+        self, slot: int, lookup: dict[int, Run], node: Run, t: int, removed: list[int] | None
+    ) -> None:
+        """The slot lets go of block ``t`` of run ``node`` and everything after it."""
         if t > 0:
             if len(node.held) > 1:
                 node = node.split(t, self._lookups)
@@ -301,9 +324,8 @@ class RadixTree:
                 kids, node.kids = node.kids, None  # unlink first: no merge may pull one back
                 for c in (kids or {}).values():
                     self._detach(slot, lookup, c, removed)
-                return True
+                return
         self._detach(slot, lookup, node, removed)
-        return True
 
     def _detach(
         self, slot: int, lookup: dict[int, Run], top: Run, removed: list[int] | None

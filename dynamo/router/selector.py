@@ -158,7 +158,15 @@ def select_worker(
     """
     if not candidates:
         raise NoInstances("no worker instances are available for this request")
-    eligible = [c for c in candidates if not is_busy(c, cfg)]
+    thresholds = (
+        cfg.active_decode_blocks_threshold,
+        cfg.active_prefill_tokens_threshold,
+        cfg.active_prefill_tokens_threshold_frac,
+    )
+    if thresholds == (None, None, None):  # the default: nobody is ever busy
+        eligible = list(candidates)
+    else:
+        eligible = [c for c in candidates if not is_busy(c, cfg)]
     if not eligible:
         raise Overloaded(
             f"all {len(candidates)} eligible workers are busy "

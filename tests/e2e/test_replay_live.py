@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ENGINE_FLAGS = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--speedup-ratio", "1"]
 ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16, speedup_ratio=1.0)
+REPLAY_SEEDS = 8
+"""Router seeds the replay side of the agreement test runs (0.1-0.2 s each)."""
 KV_WORKLOAD: dict[str, Any] = {
     "workload": "prefix",
     "prefix_groups": 16,
@@ -97,13 +99,22 @@ def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
     probe = live_kv.bench(workload="synthetic", isl=64, osl=2, num_requests=5, seed=99)
     overhead_ms = probe["ttft_ms"]["p50"] - prefill_ms(64)
     live = live_kv.bench(**KV_WORKLOAD)
-    replay = run_replay(
-        BenchConfig(url="replay:", **KV_WORKLOAD), Deployment(4, "kv", engine=ENGINE)
-    )
+    bench = BenchConfig(url="replay:", **KV_WORKLOAD)
+    replay = run_replay(bench, Deployment(4, "kv", engine=ENGINE))
     sim = replay.summary
+    # The same prompts under other router seeds: on 320 requests the KV router's random
+    # tie-breaks alone move the hit rate by ~2.6 % (sd; 0.66-0.72 over 12 seeds), and the live
+    # run is one more such draw (its timing jitter changes the tie-breaks).
+    hits = [sim["cache_hit_rate"]] + [
+        run_replay(bench, Deployment(4, "kv", engine=ENGINE, router_seed=s)).summary[
+            "cache_hit_rate"
+        ]
+        for s in range(1, REPLAY_SEEDS)
+    ]
     report = (
         f"live hit {live['cache_hit_rate']:.3f} itl {live['itl_ms']['mean']:.2f} "
         f"ttft p50 {live['ttft_ms']['p50']:.1f} | replay hit {sim['cache_hit_rate']:.3f} "
+        f"(router seeds: {min(hits):.3f}-{max(hits):.3f}) "
         f"itl {sim['itl_ms']['mean']:.2f} ttft p50 {sim['ttft_ms']['p50']:.1f} | "
         f"overhead {overhead_ms:.1f} ms"
     )
@@ -112,10 +123,9 @@ def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
     report += f" | contended {slack > 1}"
     print(report)  # the figures, for docs/performance.md (pytest -s)
     assert live["requests"]["failed"] == 0, report
-    # The issue's goal is 5 %; measured live/replay hit rates differ by 3.6-6.7 % run to run (the
-    # live router sees arrival jitter the virtual clock does not), so the test holds 10 %: the
-    # gap is reported in docs/performance.md rather than hidden.
-    assert _close(live["cache_hit_rate"], sim["cache_hit_rate"], 0.10 * slack), report
+    # The issue's 5 %, against the replay's tie-break spread rather than one draw of it.
+    margin = 0.05 * slack * live["cache_hit_rate"]
+    assert min(hits) - margin <= live["cache_hit_rate"] <= max(hits) + margin, report
     assert _close(live["itl_ms"]["mean"], sim["itl_ms"]["mean"], 0.05 * slack), report
     gap = live["ttft_ms"]["p50"] - sim["ttft_ms"]["p50"]
     # Under load the frontend queues as well: its idle overhead per request arriving in one of

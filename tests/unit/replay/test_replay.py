@@ -174,3 +174,14 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--workload", "trace", "--trace", "/nonexistent.jsonl"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("dynamo replay: ") for line in err)
+
+
+def test_router_seed_varies_only_the_routers_choices() -> None:
+    base = _run("kv")  # the workload's seed (3) seeds the routers too
+    same = run_replay(_prefix_bench(), Deployment(4, "kv", engine=ENGINE, router_seed=3))
+    other = run_replay(_prefix_bench(), Deployment(4, "kv", engine=ENGINE, router_seed=4))
+    assert _rows(same) == _rows(base)
+    assert [f.record.group for f in other.flights] == [f.record.group for f in base.flights]
+    workers = [f.routing.worker_id for f in base.flights if f.routing]
+    assert [f.routing.worker_id for f in other.flights if f.routing] != workers
+    assert other.summary["server"]["deployment"]["router_seed"] == 4
