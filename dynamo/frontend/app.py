@@ -35,6 +35,7 @@ from dynamo.frontend.idle_reaper import IdleReaper, Peer, parse_peer
 from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.offload import Offload
+from dynamo.frontend.overflow import OverflowRefuser
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
 from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
@@ -60,10 +61,12 @@ class _Server(Server):
     bound port can be read (``bound_port``). Relies on a private hook: granian is pinned."""
 
     bound_port: int = 0
+    listen_fd: int = -1
 
     def _init_shared_socket(self) -> None:
         holder = ListenerSpec(self.bind_addr, self.bind_port, self.backlog).build()
         fd = holder.get_fd()
+        self.listen_fd = fd
         self._shd = holder  # type: ignore[assignment]
         self._sfd = fd  # type: ignore[assignment]
         self._ssp = None
@@ -216,6 +219,7 @@ class FrontendService:
         self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._reaper_task: asyncio.Task[None] | None = None
+        self._overflow: OverflowRefuser | None = None
         # peers with a request in the handler: the idle reaper leaves their connections alone
         self._active_peers: Counter[Peer] = Counter()
         self.port = config.http_port
@@ -315,7 +319,8 @@ class FrontendService:
         await self.registry.start()
         await self.dashboard.start(self.runtime)
         limits = self.config.limits
-        # granian serves at most ``backpressure`` connections; more wait in the listen backlog.
+        # granian serves at most ``backpressure`` connections; more wait in the listen backlog,
+        # where the overflow refuser answers them 503 (granian cannot).
         # Its header read timeout also closes idle keep-alive connections (hyper arms it while
         # waiting for the next request's head), so idle sockets cannot hold those places.
         raise_fd_limit(limits.max_connections + 1024)
@@ -338,6 +343,12 @@ class FrontendService:
         if IdleReaper.supported():
             reaper = IdleReaper(self.port, limits.header_timeout_s, self._active_peers.keys)
             self._reaper_task = asyncio.create_task(reaper.run(), name="frontend-idle-reaper")
+        if OverflowRefuser.supported():
+            assert self._server is not None
+            self._overflow = OverflowRefuser(
+                self._server.listen_fd, self.port, limits.max_connections
+            )
+            self._overflow.start()
         log.info("frontend listening on http://%s:%d", self.config.http_host, self.port)
 
     async def _wait_listening(self, timeout: float = 10.0) -> None:
@@ -371,6 +382,9 @@ class FrontendService:
         while self.generate.inflight and loop.time() < deadline:
             await asyncio.sleep(0.02)
         self.generate.cancel_all()
+        if self._overflow is not None:
+            await self._overflow.close()
+            self._overflow = None
         if self._reaper_task is not None:
             self._reaper_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -39,7 +39,6 @@ waiting in the queue.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +57,8 @@ from dynamo.protocol.request import OutputOptions, PreprocessedRequest, RoutingH
 from dynamo.router.basic import Selection
 from dynamo.runtime.config import add_flag
 from dynamo.runtime.context import Context
-from dynamo.runtime.discovery.base import Discovery, Watch, WatchEventKind
+from dynamo.runtime.discovery.base import Discovery
+from dynamo.runtime.discovery.follower import PrefixFollower
 from dynamo.runtime.errors import (
     Cancelled,
     DynamoError,
@@ -230,34 +230,28 @@ class Disaggregation:
         self._prefix = disagg_router_prefix(runtime.namespace)
         self._metrics = metrics
         self._models: dict[str, _ModelState] = {}
-        self._watch: Watch | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._follower: PrefixFollower | None = None
         self._queue = PrefillQueueDispatch(runtime) if settings.dispatch == "queue" else None
 
     # -- run-time thresholds ------------------------------------------------------------------
     async def start(self) -> None:
         if self._queue is not None:
             await self._queue.start()
-        self._watch = await self._runtime.discovery.watch_prefix(self._prefix)
-        for kv in self._watch.snapshot:
-            self._apply(kv.key, kv.value)
-        self._task = asyncio.create_task(self._follow(), name="disagg-overrides-watch")
+        self._follower = PrefixFollower(
+            self._runtime.discovery,
+            self._prefix,
+            self._apply,
+            lambda key: self._apply(key, None),
+            name="disagg-overrides-watch",
+        )
+        await self._follower.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._watch is not None:
-            await self._watch.close()
-            self._watch = None
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
         if self._queue is not None:
             await self._queue.close()
-
-    async def _follow(self) -> None:
-        assert self._watch is not None
-        async for event in self._watch:
-            self._apply(event.key, event.value if event.kind is WatchEventKind.PUT else None)
 
     def _apply(self, key: str, value: bytes | None) -> None:
         model = key.removeprefix(self._prefix)

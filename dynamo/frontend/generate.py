@@ -25,6 +25,7 @@ from dynamo.frontend.capabilities import check_supported, serving_capabilities
 from dynamo.frontend.choice import run_choices
 from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import ClientDisconnected, Exchange
+from dynamo.frontend.heap_trim import TRIM_AFTER_BYTES
 from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.keepalive import KeepAliveSink
 from dynamo.frontend.large_body import TooLong, decode, decode_checked
@@ -122,17 +123,25 @@ class GenerateHandler:
         # The request's span is current for this handler task (its log lines carry the trace
         # id; the worker's spans join it through the request's traceparent).
         token = otel_context.attach(tracing.in_span(inflight.span))
+        body_bytes = 0
         try:
-            await self._admit_and_serve(http, endpoint, inflight)
+            body_bytes = await self._admit_and_serve(http, endpoint, inflight)
         finally:
             otel_context.detach(token)
+            declared = http.header("content-length") or ""
+            if declared.isdigit():  # also when the request failed or was cancelled
+                body_bytes = max(body_bytes, int(declared))
+            if body_bytes >= TRIM_AFTER_BYTES:
+                # The request's frame is gone, and with it its last reference to the body.
+                self.offload.trim_memory()
 
     async def _admit_and_serve(
         self, http: Exchange, endpoint: str, inflight: InflightRequest
-    ) -> None:
+    ) -> int:
+        """Serve one request; returns the size of its body (0 if none was read)."""
         if self.draining:
             inflight.fail(http, NoInstances("the frontend is shutting down"))
-            return
+            return 0
         try:
             body = await http.body(self._useful_body_limit())
         except ClientDisconnected:
@@ -140,13 +149,14 @@ class GenerateHandler:
             reply = to_http(HTTPError(400, "the request body ended before its declared end"))
             http.reply(reply.status, [*JSON_HEADERS, *inflight.id_headers], reply.body)
             inflight.disconnected()
-            return
+            return 0
         except Exception as exc:
             inflight.fail(http, exc, self._overload_status)
-            return
+            return 0
+        body_bytes = len(body)
         if len(self._live) >= self._max_inflight:
             inflight.fail(http, Overloaded("too many requests in flight"), self._overload_status)
-            return
+            return body_bytes
         self._live.add(inflight)
         try:
             try:
@@ -176,7 +186,7 @@ class GenerateHandler:
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)
-                return
+                return body_bytes
             created = int(time.time())
             fmt: Formatter
             if isinstance(req, ChatCompletionRequest):
@@ -193,6 +203,7 @@ class GenerateHandler:
             raise
         finally:
             inflight.finish("error", "internal")  # a backstop: a no-op once finished
+        return body_bytes
 
     def _useful_body_limit(self) -> int:
         """The body limit, lowered to the largest body a served model's context can use: a

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,9 @@ def parse_peer(client: str) -> Peer | None:
     return host.strip("[]"), int(port)
 
 
-def reap_idle(port: int, idle_s: float, active: Collection[Peer]) -> int:
-    """Shut down this process's idle client connections to ``port``; returns how many."""
-    idle_ms = int(idle_s * 1000)
-    reaped = 0
+def served_connections(port: int) -> Iterator[tuple[socket.socket, Peer]]:
+    """This process's accepted TCP connections on local ``port``, each as a dup of its
+    descriptor (closed when the iteration moves on) and its peer. Blocking: off the loop."""
     for name in os.listdir(_PROC_FD):
         try:
             if not os.readlink(f"{_PROC_FD}/{name}").startswith("socket:"):
@@ -63,8 +62,26 @@ def reap_idle(port: int, idle_s: float, active: Collection[Peer]) -> int:
             if sock.getsockname()[1] != port:
                 continue
             peer = sock.getpeername()  # OSError for the listener
-            if (peer[0], peer[1]) in active:
-                continue
+            yield sock, (peer[0], peer[1])
+        except OSError:
+            continue
+        finally:
+            sock.close()  # closes our dup only
+
+
+def count_connections(port: int) -> int:
+    """How many accepted connections this process holds on local ``port``."""
+    return sum(1 for _ in served_connections(port))
+
+
+def reap_idle(port: int, idle_s: float, active: Collection[Peer]) -> int:
+    """Shut down this process's idle client connections to ``port``; returns how many."""
+    idle_ms = int(idle_s * 1000)
+    reaped = 0
+    for sock, peer in served_connections(port):
+        if peer in active:
+            continue
+        try:
             info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO_LEN)
             if len(info) < _INFO_LEN:
                 continue
@@ -74,8 +91,6 @@ def reap_idle(port: int, idle_s: float, active: Collection[Peer]) -> int:
                 reaped += 1
         except OSError:
             continue
-        finally:
-            sock.close()  # closes our dup only
     return reaped
 
 

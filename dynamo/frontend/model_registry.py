@@ -27,7 +27,7 @@ import msgspec
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RoundRobinRouter, Router
 from dynamo.runtime.client import EndpointClient
-from dynamo.runtime.discovery.base import Watch, WatchEventKind
+from dynamo.runtime.discovery.follower import PrefixFollower
 from dynamo.runtime.errors import ModelNotFound, NoInstances
 from dynamo.runtime.naming import EndpointId, model_cards_prefix
 from dynamo.runtime.runtime import DistributedRuntime
@@ -131,43 +131,29 @@ class ModelRegistry(Generic[P]):
         self._retired: dict[str, float] = {}
         self._keys: dict[str, tuple[str, int]] = {}
         self._clients: dict[EndpointId, EndpointClient] = {}
-        self._watch: Watch | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._follower: PrefixFollower | None = None
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._watch = await self._runtime.discovery.watch_prefix(
-            model_cards_prefix(self._runtime.namespace)
+        self._follower = PrefixFollower(
+            self._runtime.discovery,
+            model_cards_prefix(self._runtime.namespace),
+            self._put,
+            self._delete,
+            name="model-registry-watch",
         )
-        for kv in self._watch.snapshot:
-            await self._put(kv.key, kv.value)
-        self._task = asyncio.create_task(self._follow(), name="model-registry-watch")
+        await self._follower.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._watch is not None:
-            await self._watch.close()
-            self._watch = None
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
         for entry in list(self._models.values()):
             await self._close_routers(entry)
         self._models.clear()
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
-
-    async def _follow(self) -> None:
-        assert self._watch is not None
-        async for event in self._watch:
-            try:
-                if event.kind is WatchEventKind.PUT:
-                    await self._put(event.key, event.value)
-                else:
-                    await self._delete(event.key)
-            except Exception:
-                log.exception("model registry failed to apply %s %s", event.kind, event.key)
 
     async def _put(self, key: str, value: bytes) -> None:
         try:

@@ -18,6 +18,7 @@ import multiprocessing
 from collections.abc import Callable
 from typing import TypeVar
 
+from dynamo.frontend.heap_trim import trim_heap
 from dynamo.runtime.errors import Overloaded
 
 T = TypeVar("T")
@@ -41,6 +42,8 @@ class Offload:
         self._max_pending = max_pending
         self._inline_below = inline_below_bytes
         self.pending = 0
+        self._trimming = False
+        self.trims = 0
 
     async def run(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``: inline when ``size`` (the request's bytes) is small, else on the pool."""
@@ -67,6 +70,24 @@ class Offload:
 
     def _done(self) -> None:
         self.pending -= 1
+
+    def trim_memory(self) -> None:
+        """Give the allocators' free pages back to the system, on the pool (after a large
+        request: ``heap_trim.py``). One trim at a time; a request for one meanwhile is merged
+        into it. Fire and forget: nothing waits for it, and it is not a pending job."""
+        if self._trimming:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            job = self._pool.submit(trim_heap)
+        except RuntimeError:  # closed: the process is stopping
+            return
+        self._trimming = True
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._trimmed))
+
+    def _trimmed(self) -> None:
+        self._trimming = False
+        self.trims += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

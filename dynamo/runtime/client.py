@@ -21,7 +21,8 @@ import logging
 from collections.abc import AsyncGenerator
 
 from dynamo.runtime.context import Context
-from dynamo.runtime.discovery.base import Discovery, Watch, WatchEventKind
+from dynamo.runtime.discovery.base import Discovery
+from dynamo.runtime.discovery.follower import PrefixFollower
 from dynamo.runtime.endpoint import InstanceInfo, decode_instance
 from dynamo.runtime.errors import DynamoError, NoInstances
 from dynamo.runtime.naming import EndpointId
@@ -57,39 +58,27 @@ class EndpointClient:
         self._down: set[int] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._ids: list[int] = []
-        self._watch: Watch | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._follower: PrefixFollower | None = None
         self._changed = asyncio.Event()
 
     async def start(self) -> None:
-        self._watch = await self._discovery.watch_prefix(self.endpoint_id.instances_prefix())
-        for kv in self._watch.snapshot:
-            self._apply_put(kv.key, kv.value)
-        self._task = asyncio.create_task(self._follow(), name=f"client-watch:{self.endpoint_id}")
+        self._follower = PrefixFollower(
+            self._discovery,
+            self.endpoint_id.instances_prefix(),
+            self._apply_put,
+            self._apply_delete,
+            name=f"client-watch:{self.endpoint_id}",
+        )
+        await self._follower.start()
 
     async def close(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
             self._probe_task = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        if self._watch is not None:
-            await self._watch.close()
-            self._watch = None
-
-    async def _follow(self) -> None:
-        assert self._watch is not None
-        async for event in self._watch:
-            if event.kind is WatchEventKind.PUT:
-                self._apply_put(event.key, event.value)
-            else:
-                self._apply_delete(event.key)
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
 
     def _apply_put(self, key: str, value: bytes) -> None:
         try:

@@ -5,7 +5,8 @@ servers (``runtime/http_server.py``). Each limit is a flag with a ``DYN_HTTP_*``
 defaults are ones a normal client never meets and a hostile one cannot exhaust the process with:
 
 - ``max_connections``: open client connections; one more is answered 503 and closed (the
-  frontend's granian stops accepting instead, so the kernel's backlog holds it).
+  frontend's granian stops accepting instead; ``frontend/overflow.py`` answers the connections
+  left in the listen backlog 503 and closes them).
 - ``header_timeout_s``: from a request's first byte to the end of its headers (slowloris).
 - ``body_timeout_s``: from the end of the headers to the end of the body (a client that declares
   a length and sends less, or never ends a chunked body): 408 and the connection is closed.

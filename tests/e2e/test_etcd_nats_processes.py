@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.frontend.frontend_stack import DEMO_MODEL, Stack, request, wait_instances
+from tests.e2e.processes import free_port
 from tests.servers import EtcdServer, NatsServer
 
 LEASE_TTL = 2
@@ -98,3 +99,34 @@ def test_kv_routing_over_etcd_and_nats_then_a_worker_dies(
         stack.port, "POST", "/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 2}
     )
     assert status == 200, body
+
+
+def test_dynamo_serve_runs_the_whole_stack_on_etcd_and_nats(
+    stack: Stack, etcd_server: EtcdServer, nats_server: NatsServer
+) -> None:
+    """`dynamo serve --discovery-backend etcd --event-plane nats` (flags, not the environment):
+    its frontend and two mockers register in etcd and route by KV events over NATS."""
+    stack.port = free_port()
+    stack.spawn(
+        ["-m", "dynamo.serve", "--http-host", "127.0.0.1", "--http-port", str(stack.port)]
+        + ["--speedup-ratio", "0", "--router-mode", "kv"]
+        + ["--discovery-backend", "etcd", "--etcd-endpoints", etcd_server.endpoint]
+        + ["--event-plane", "nats", "--nats-server", nats_server.url]
+    )
+    wait_instances(stack.port, 2, timeout=60)
+    assert len(etcd_keys(etcd_server, "v1/instances/dynamo/backend/generate/")) == 2
+    assert etcd_keys(etcd_server, "v1/mdc/dynamo/")
+    prompt = " ".join(f"token{i}" for i in range(300))
+    cached: list[int] = []
+    for _ in range(3):
+        status, _, body = request(
+            stack.port,
+            "POST",
+            "/v1/completions",
+            {"model": "demo", "prompt": prompt, "max_tokens": 2},
+        )
+        assert status == 200, body
+        usage = json.loads(body)["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        time.sleep(0.3)  # the KV event of the last request reaches the router through NATS
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached

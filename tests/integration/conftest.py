@@ -30,6 +30,7 @@ class Stack:
     workers: list[Worker] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     client: httpx.AsyncClient | None = None
+    runtime: RuntimeConfig = RUNTIME  # the planes; discovery stays in the hub's memory store
 
     async def add_worker(self, *mocker_flags: str) -> Worker:
         args = build_parser().parse_args(
@@ -37,7 +38,7 @@ class Stack:
         )
         worker = build_worker(
             mocker_config(args),
-            RUNTIME,
+            self.runtime,
             hub=self.hub,
             install_signal_handlers=False,
             options=ServeOptions.from_args(args),  # the worker flags, e.g. the grace period
@@ -49,7 +50,7 @@ class Stack:
 
     async def start_frontend(self, **config: Any) -> httpx.AsyncClient:
         self.frontend = FrontendService(
-            FrontendConfig(http_host="127.0.0.1", http_port=0, runtime=RUNTIME, **config),
+            FrontendConfig(http_host="127.0.0.1", http_port=0, runtime=self.runtime, **config),
             hub=self.hub,
         )
         await self.frontend.start()

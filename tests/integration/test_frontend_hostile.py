@@ -178,7 +178,8 @@ async def test_half_close_mid_body_is_a_cancellation(stack: Stack) -> None:
 
 async def test_idle_connection_flood_does_not_stop_requests(stack: Stack) -> None:
     """The reproducer: 1024 TCP connections that send nothing, four times the connection
-    limit: they are closed after the header timeout, and a request gets through."""
+    limit: those past the limit are answered 503 at once, the others closed after the header
+    timeout, and a request gets through (refused with 503, never left hanging, meanwhile)."""
     raise_fd_limit(8192)
     await stack.add_worker("--speedup-ratio", "0")
     limits = HttpLimits(max_connections=256, header_timeout_s=1.0, keep_alive_timeout_s=1.0)
@@ -189,9 +190,13 @@ async def test_idle_connection_flood_does_not_stop_requests(stack: Stack) -> Non
     try:
         started = time.monotonic()
         async with httpx.AsyncClient(base_url=str(client.base_url), timeout=30) as fresh:
-            assert (await fresh.get("/v1/models")).status_code == 200
+            while (resp := await fresh.get("/v1/models")).status_code != 200:
+                assert_openai_error(resp, 503)  # at the limit: refused, not left waiting
+                assert time.monotonic() - started < 25  # generous; it hung for good before
+                await asyncio.sleep(0.2)
             assert (await fresh.post(CHAT, json=chat())).status_code == 200
-        assert time.monotonic() - started < 25  # generous; it hung for good before
+        idle[-1].settimeout(10)  # one past the limit: answered, not left in the backlog
+        assert (await asyncio.to_thread(idle[-1].recv, 65536)).startswith(b"HTTP/1.1 503")
         idle[0].settimeout(10)
         try:
             assert await asyncio.to_thread(idle[0].recv, 10) == b""  # closed by the server
@@ -307,3 +312,42 @@ async def test_fuzzed_bodies_never_get_5xx(stack: Stack) -> None:
 
     await asyncio.to_thread(fuzz)
     assert internal_errors((await client.get("/metrics")).text) == []
+
+
+async def test_connections_past_the_limit_get_503_not_a_hang(stack: Stack) -> None:
+    """Past ``--http-max-connections`` a connection is answered 503 (OpenAI body, Retry-After,
+    Connection: close) instead of waiting in the kernel's backlog; once places free up, requests
+    are served again."""
+    await stack.add_worker("--speedup-ratio", "0")
+    limits = HttpLimits(max_connections=4, header_timeout_s=30.0, keep_alive_timeout_s=30.0)
+    client = await stack.start_frontend(limits=limits)
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    port = stack.frontend.port
+    # Four idle connections take every place (the idle reaper leaves them for 30 s).
+    holders = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        await asyncio.sleep(0.3)  # granian has accepted them
+        extra = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
+        extra.settimeout(15)
+        extra.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = b""
+        while chunk := await asyncio.to_thread(extra.recv, 65536):
+            answer += chunk
+        extra.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer[:300]
+        assert b"retry-after: 1" in head.lower() and b"connection: close" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["type"] == "service_unavailable" and "connection" in error["message"]
+    finally:
+        for sock in holders:
+            sock.close()
+    async with asyncio.timeout(15):  # the places are free again: served, not refused
+        while True:
+            async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as fresh:
+                resp = await fresh.get("/v1/models")
+            if resp.status_code == 200:
+                break
+            assert resp.status_code == 503
+            await asyncio.sleep(0.1)

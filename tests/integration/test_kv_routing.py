@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,7 +14,8 @@ from dynamo.protocol.request import PreprocessedRequest, StopConditions
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import local_block_hashes
 from dynamo.router.kv_router import KVRouter
-from tests.integration.conftest import Stack
+from dynamo.runtime.runtime import InProcessHub
+from tests.integration.conftest import RUNTIME, Stack
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +94,20 @@ async def test_router_started_late_recovers_its_view_from_workers(stack: Stack) 
         await router.close()
 
 
-async def test_replica_sync_shares_active_load(stack: Stack) -> None:
+@pytest.fixture(params=["local", "nats"])
+async def planes_stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+    """The one-process stack on the local event plane, or on a real NATS server."""
+    runtime = RUNTIME
+    if request.param == "nats":
+        url = request.getfixturevalue("nats_server").url
+        runtime = dataclasses.replace(RUNTIME, event_plane="nats", nats_server=url)
+    s = Stack(InProcessHub(), runtime=runtime)
+    yield s
+    await s.close()
+
+
+async def test_replica_sync_shares_active_load(planes_stack: Stack) -> None:
+    stack = planes_stack
     await stack.add_worker(*MOCKER)
     await stack.start_frontend(router_mode="round-robin")
     await stack.wait_for_model()

@@ -16,7 +16,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dynamo.runtime.discovery.base import Discovery, Lease, Watch, WatchEventKind
+from dynamo.runtime.discovery.base import Discovery, Lease
+from dynamo.runtime.discovery.follower import PrefixFollower
 from dynamo.runtime.event_plane.base import EventMessage
 from dynamo.runtime.naming import event_publishers_prefix, new_instance_id
 
@@ -164,8 +165,7 @@ class ZmqEventPlane:
         self._publishers: dict[str, str] = {}  # discovery key -> endpoint
         # Keys per endpoint: a dead publisher's key may outlive it while a new one reuses its port.
         self._endpoints: dict[str, int] = {}  # connected once: twice would duplicate messages
-        self._watch: Watch | None = None
-        self._watch_task: asyncio.Task[None] | None = None
+        self._follower: PrefixFollower | None = None
         self._watch_lock = asyncio.Lock()
         self._closed = False
 
@@ -231,21 +231,17 @@ class ZmqEventPlane:
 
     async def _ensure_watch(self) -> None:
         async with self._watch_lock:
-            if self._watch is not None:
+            if self._follower is not None:
                 return
-            watch = self._watch = await self._discovery.watch_prefix(self._prefix)
-            for kv in watch.snapshot:
-                self._on_put(kv.key, kv.value)
-            self._watch_task = asyncio.create_task(
-                self._follow(watch), name=f"zmq-event-publishers-{self._prefix}"
+            follower = PrefixFollower(
+                self._discovery,
+                self._prefix,
+                self._on_put,
+                self._on_delete,
+                name=f"zmq-event-publishers-{self._prefix}",
             )
-
-    async def _follow(self, watch: Watch) -> None:
-        async for event in watch:
-            if event.kind == WatchEventKind.PUT:
-                self._on_put(event.key, event.value)
-            else:
-                self._on_delete(event.key)
+            await follower.start()
+            self._follower = follower
 
     def _on_put(self, key: str, value: bytes) -> None:
         try:
@@ -278,13 +274,10 @@ class ZmqEventPlane:
         if self._closed:
             return
         self._closed = True
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            await asyncio.wait({self._watch_task})  # never raises the task's CancelledError
-            self._watch_task = None
+        follower, self._follower = self._follower, None
         try:
-            if self._watch is not None:
-                await self._watch.close()
+            if follower is not None:
+                await follower.close()
             for subscription in list(self._subscriptions):
                 await subscription.close()
             # Withdraw the advertisement before the socket goes away.

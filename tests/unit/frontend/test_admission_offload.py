@@ -92,3 +92,17 @@ async def test_offload_runs_small_inline_and_bounds_large() -> None:
                 await asyncio.sleep(0.01)
     finally:
         offload.close()
+
+
+async def test_trim_memory_runs_on_the_pool_once_at_a_time() -> None:
+    offload = Offload(threads=1)
+    offload.trim_memory()
+    offload.trim_memory()  # merged into the one in flight
+    async with asyncio.timeout(10):
+        while offload.trims == 0:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert offload.trims == 1 and offload.pending == 0
+    offload.close()
+    offload.trim_memory()  # after close: nothing, no error
+    assert offload.trims == 1
