@@ -39,6 +39,7 @@ class Child:
             start_new_session=True,  # a SIGINT to pytest does not reach it twice
         )
         self.lines: list[str] = []
+        self._eof = False  # the child closed its output (exited, or will): stop waiting
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -49,6 +50,9 @@ class Child:
             with self._cond:
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
 
     def wait_for(self, fragment: str, timeout: float = 30.0) -> str:
         """The first output line containing ``fragment`` (waits for it; fails if none)."""
@@ -66,7 +70,9 @@ class Child:
     def _wait(self, match: Callable[[str], bool], what: str, timeout: float) -> str:
         with self._cond:
             self._cond.wait_for(
-                lambda: any(match(x) for x in self.lines) or self.popen.poll() is not None,
+                lambda: (
+                    any(match(x) for x in self.lines) or self._eof or self.popen.poll() is not None
+                ),
                 timeout,
             )
             for line in self.lines:
