@@ -16,9 +16,10 @@ import argparse
 import copy
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynamo.backend.serve_engine import ServeOptions
 from dynamo.frontend.config import ROUTER_MODES, FrontendConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.runtime.config import DEFAULT_ETCD_ENDPOINTS, DEFAULT_NATS_SERVER, add_flag
@@ -54,6 +55,9 @@ class ServePlan:
     frontend: FrontendConfig
     engine_config: MockerConfig | TorchEngineConfig
     roles: tuple[str, ...] = ("agg",)
+    worker_options: ServeOptions = field(default_factory=ServeOptions)
+    """The worker flags (health checks, stream validation...) as parsed for the workers: what
+    in-process serving applies, since it starts no worker process to parse them."""
 
     @property
     def worker_module(self) -> str:
@@ -345,6 +349,7 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         frontend = FrontendConfig.from_args(fargs)
         wargs = _worker_parser(engine).parse_args(engine_argv)
         engine_config = _worker_config(engine, wargs)
+        worker_options = ServeOptions.from_args(wargs)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if wargs.system_port and len(roles) > 1 and not args.in_process:
@@ -355,4 +360,6 @@ def plan(argv: list[str] | None = None) -> ServePlan:
     frontend = dataclasses.replace(
         frontend, runtime=dataclasses.replace(frontend.runtime, namespace=args.namespace)
     )
-    return ServePlan(args, frontend_argv, engine_argv, frontend, engine_config, roles)
+    return ServePlan(
+        args, frontend_argv, engine_argv, frontend, engine_config, roles, worker_options
+    )

@@ -12,6 +12,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from dynamo.backend.run import run_async
+from dynamo.backend.serve_engine import ServeOptions
 from dynamo.backend.worker import Worker
 from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
@@ -38,33 +39,43 @@ def serve_in_process(serve_plan: ServePlan) -> int:
     )
     frontend_config = dataclasses.replace(serve_plan.frontend, runtime=runtime_config)
     configs = [serve_plan.worker_config(role) for role in serve_plan.roles]
-    run_async(_serve(frontend_config, configs, runtime_config))
+    # No status server in-process (as before): its one port would be every worker's.
+    options = dataclasses.replace(serve_plan.worker_options, system_port=None)
+    run_async(_serve(frontend_config, configs, runtime_config, options))
     return 0
 
 
 def _build_worker(
-    config: MockerConfig | TorchEngineConfig, runtime_config: RuntimeConfig, hub: InProcessHub
+    config: MockerConfig | TorchEngineConfig,
+    runtime_config: RuntimeConfig,
+    hub: InProcessHub,
+    options: ServeOptions,
 ) -> Worker:
     if isinstance(config, MockerConfig):
         from dynamo.mocker.__main__ import build_worker as mocker_worker
 
-        return mocker_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
+        return mocker_worker(
+            config, runtime_config, hub=hub, install_signal_handlers=False, options=options
+        )
     from dynamo.pytorch.__main__ import build_worker as torch_worker
 
-    return torch_worker(config, runtime_config, hub=hub, install_signal_handlers=False)
+    return torch_worker(
+        config, runtime_config, hub=hub, install_signal_handlers=False, options=options
+    )
 
 
 async def _serve(
     frontend_config: FrontendConfig,
     configs: list[MockerConfig | TorchEngineConfig],
     runtime_config: RuntimeConfig,
+    options: ServeOptions,
 ) -> None:
     hub = InProcessHub()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker_objs = [_build_worker(config, runtime_config, hub) for config in configs]
+    worker_objs = [_build_worker(config, runtime_config, hub, options) for config in configs]
     tasks = [asyncio.create_task(w.run(), name=f"worker-{i}") for i, w in enumerate(worker_objs)]
     frontend = FrontendService(frontend_config, hub=hub)
     try:

@@ -25,7 +25,7 @@ import msgspec
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from dynamo.backend.engine import LLMEngine
-from dynamo.backend.validate import StreamValidator, strict_from_env
+from dynamo.backend.validate import StreamValidator
 from dynamo.observability import tracing
 from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
@@ -46,16 +46,16 @@ class EngineAdapter:
         self,
         engine: LLMEngine,
         *,
-        strict: bool | None = None,
+        strict: bool = False,
         metrics: WorkerMetrics | None = None,
         disagg_role: str = "agg",
     ) -> None:
-        """``strict``: raise on stream-contract violations instead of repairing them (None:
-        ``DYN_STRICT_STREAM_VALIDATION``). ``disagg_role``: the worker's role (``agg``,
+        """``strict``: raise on stream-contract violations instead of repairing them.
+        ``disagg_role``: the worker's role (``agg``,
         ``prefill``, ``decode``), recorded on every ``engine.generate`` span."""
         self.engine = engine
         self.disagg_role = disagg_role
-        self.strict = strict_from_env() if strict is None else strict
+        self.strict = strict
         self.metrics = metrics
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self.num_inflight = 0

@@ -7,20 +7,22 @@ discovery, so routers stop sending it traffic; it keeps being probed (it is idle
 first canary that succeeds puts the registration back. Real traffic counts as activity, so a busy
 instance is never probed.
 
-Settings (environment, as the reference): ``DYN_HEALTH_CHECK_ENABLED`` (default false),
-``DYN_CANARY_WAIT_TIME`` (10 s), ``DYN_HEALTH_CHECK_REQUEST_TIMEOUT`` (3 s),
-``DYN_HEALTH_CHECK_PAYLOAD`` (a JSON object or ``@file``: the request, in the
-``PreprocessedRequest`` shape; the reference's ``stop_conditions`` / ``sampling_options`` names
-are accepted too). Without a payload from the environment, the engine's
+Settings (:class:`HealthCheckConfig`; flags whose environment twins are the reference's):
+``--health-check-enabled`` / ``DYN_HEALTH_CHECK_ENABLED`` (default false),
+``--canary-wait-time`` / ``DYN_CANARY_WAIT_TIME`` (10 s),
+``--health-check-request-timeout`` / ``DYN_HEALTH_CHECK_REQUEST_TIMEOUT`` (3 s),
+``--health-check-payload`` / ``DYN_HEALTH_CHECK_PAYLOAD`` (a JSON object or ``@file``: the
+request, in the ``PreprocessedRequest`` shape; the reference's ``stop_conditions`` /
+``sampling_options`` names are accepted too). Without a payload setting, the engine's
 ``health_check_payload()`` is used; an engine with neither is not probed.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import msgspec
 from dynamo.backend.engine import LLMEngine
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
+from dynamo.runtime.config import add_flag
 from dynamo.runtime.context import Context
 from dynamo.runtime.runtime import DistributedRuntime, ServedEndpoint
 
@@ -56,30 +59,45 @@ class HealthCheckConfig:
         if self.canary_wait_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("canary wait time and health-check timeout must be positive")
 
-    @classmethod
-    def from_env(cls) -> HealthCheckConfig:
-        env = os.environ
-        enabled = env.get("DYN_HEALTH_CHECK_ENABLED", "false").strip().lower()
-        if enabled not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-            raise ValueError(f"DYN_HEALTH_CHECK_ENABLED must be a boolean, not {enabled!r}")
-        return cls(
-            enabled=enabled in ("1", "true", "yes", "on"),
-            canary_wait_s=_seconds("DYN_CANARY_WAIT_TIME", DEFAULT_CANARY_WAIT_S),
-            request_timeout_s=_seconds(
-                "DYN_HEALTH_CHECK_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT_S
-            ),
-            payload=env.get("DYN_HEALTH_CHECK_PAYLOAD") or None,
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        d = HealthCheckConfig()
+        add_flag(
+            parser,
+            "--health-check-enabled",
+            default=d.enabled,
+            type=bool,
+            help="probe idle endpoint instances with canary requests",
+        )
+        add_flag(
+            parser,
+            "--canary-wait-time",
+            default=d.canary_wait_s,
+            type=float,
+            help="seconds an instance is idle before a canary probes it",
+        )
+        add_flag(
+            parser,
+            "--health-check-request-timeout",
+            default=d.request_timeout_s,
+            type=float,
+            help="seconds a canary may take before the instance is marked notready",
+        )
+        add_flag(
+            parser,
+            "--health-check-payload",
+            default=d.payload,
+            help="the canary request: a JSON object or @file (default: the engine's own)",
         )
 
-
-def _seconds(env: str, default: float) -> float:
-    raw = os.environ.get(env)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{env} must be a number of seconds, not {raw!r}") from None
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HealthCheckConfig:
+        return cls(
+            enabled=args.health_check_enabled,
+            canary_wait_s=args.canary_wait_time,
+            request_timeout_s=args.health_check_request_timeout,
+            payload=args.health_check_payload or None,
+        )
 
 
 def parse_payload(raw: str, model: str) -> PreprocessedRequest:

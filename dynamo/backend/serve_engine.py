@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynamo.backend.engine import LLMEngine
+from dynamo.backend.health_check import HealthCheckConfig
 from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.run import run_async
+from dynamo.backend.status_server import StatusConfig
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
 from dynamo.observability.tracing import setup_tracing
@@ -54,6 +56,9 @@ class ServeOptions:
     system_port: int | None = None
     log_level: str = "info"
     migration_limit: int = 0
+    strict_validation: bool = False
+    status: StatusConfig = field(default_factory=StatusConfig)
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -63,6 +68,9 @@ class ServeOptions:
             system_port=args.system_port,
             log_level=args.log_level,
             migration_limit=args.migration_limit,
+            strict_validation=args.strict_stream_validation,
+            status=StatusConfig.from_args(args),
+            health_check=HealthCheckConfig.from_args(args),
         )
 
 
@@ -101,6 +109,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="advertised in the model card: times a frontend may move a request of this worker "
         "to another when this one fails (a frontend's own --migration-limit overrides it)",
     )
+    add_flag(
+        parser,
+        "--strict-stream-validation",
+        default=d.strict_validation,
+        type=bool,
+        help="raise on an engine's stream-contract violation instead of repairing it (debug)",
+    )
+    StatusConfig.add_arguments(parser)
+    HealthCheckConfig.add_arguments(parser)
 
 
 def build_served_worker(
@@ -134,6 +151,9 @@ def build_served_worker(
         system_host=options.system_host,
         system_port=options.system_port,
         migration_limit=options.migration_limit,
+        strict_validation=options.strict_validation,
+        status=options.status,
+        health_check=options.health_check,
     )
     runtime = DistributedRuntime(runtime_config, hub)
     publisher = KVPublisher(runtime)

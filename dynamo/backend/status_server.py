@@ -1,22 +1,25 @@
 """A worker's system status server (FACTS §8): ``/health``, ``/live`` and ``/metrics``.
 
-Enabled by ``DYN_SYSTEM_PORT`` (``--system-port``; 0 picks a free port, unset disables it).
-``/health`` and ``/live`` (renamed by ``DYN_SYSTEM_HEALTH_PATH`` / ``DYN_SYSTEM_LIVE_PATH``)
+Enabled by ``--system-port`` (``DYN_SYSTEM_PORT``; 0 picks a free port, unset disables it).
+``/health`` and ``/live`` (renamed by ``--system-health-path`` / ``--system-live-path``)
 answer ``{"status": "ready"|"notready", "endpoints": {...}, "uptime": {"secs", "nanos"}}`` with
 200 when ready and 503 otherwise. Before its endpoints are served the worker reports
-``DYN_SYSTEM_STARTING_HEALTH_STATUS`` (default ``notready``).
+``--system-starting-health-status`` (default ``notready``). :class:`StatusConfig` holds these
+settings; the flags' ``DYN_SYSTEM_*`` twins are read by the config layer (``add_flag``).
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dynamo.observability.metrics import WorkerMetrics
+from dynamo.runtime.config import add_flag
 from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.http_server import HttpServer
 
@@ -24,16 +27,67 @@ _encoder = msgspec.json.Encoder()
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 
 
-def starting_ready() -> bool:
-    """Whether ``DYN_SYSTEM_STARTING_HEALTH_STATUS`` says a starting worker counts as ready."""
-    value = os.environ.get("DYN_SYSTEM_STARTING_HEALTH_STATUS", "notready").strip().lower()
-    if value not in ("ready", "notready"):
-        raise ValueError(f"DYN_SYSTEM_STARTING_HEALTH_STATUS must be ready or notready: {value!r}")
-    return value == "ready"
+STARTING_STATUSES = ("ready", "notready")
 
 
-def _path(env: str, default: str) -> bytes:
-    path = os.environ.get(env) or default
+def _normalize(text: str) -> str:
+    return text.strip().lower()
+
+
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    """The status server's paths and what a starting worker reports."""
+
+    health_path: str = "/health"
+    live_path: str = "/live"
+    starting_health_status: str = "notready"
+
+    def __post_init__(self) -> None:
+        if self.starting_health_status not in STARTING_STATUSES:
+            raise ValueError(
+                "DYN_SYSTEM_STARTING_HEALTH_STATUS must be ready or notready: "
+                f"{self.starting_health_status!r}"
+            )
+
+    @property
+    def starting_ready(self) -> bool:
+        """Whether a starting worker (endpoints not served yet) counts as ready."""
+        return self.starting_health_status == "ready"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        d = StatusConfig()
+        add_flag(
+            parser,
+            "--system-health-path",
+            default=d.health_path,
+            help="path of the status server's health route",
+        )
+        add_flag(
+            parser,
+            "--system-live-path",
+            default=d.live_path,
+            help="path of the status server's liveness route",
+        )
+        add_flag(
+            parser,
+            "--system-starting-health-status",
+            default=d.starting_health_status,
+            type=_normalize,
+            help="health a starting worker reports (ready or notready)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StatusConfig:
+        return cls(
+            health_path=args.system_health_path,
+            live_path=args.system_live_path,
+            starting_health_status=args.system_starting_health_status,
+        )
+
+
+def _route(path: str, default: str) -> bytes:
+    path = path or default
     return (path if path.startswith("/") else "/" + path).encode()
 
 
@@ -47,14 +101,16 @@ class StatusServer:
         metrics: WorkerMetrics | None,
         host: str,
         port: int,
+        config: StatusConfig | None = None,
     ) -> None:
+        config = config or StatusConfig()
         self._endpoints = endpoints
         self._registry = registry
         self._metrics = metrics
         self._started = time.monotonic()
         self._health_paths = (
-            _path("DYN_SYSTEM_HEALTH_PATH", "/health"),
-            _path("DYN_SYSTEM_LIVE_PATH", "/live"),
+            _route(config.health_path, "/health"),
+            _route(config.live_path, "/live"),
         )
         self._server = HttpServer(self, host, port, limits=HttpLimits.from_env())
 

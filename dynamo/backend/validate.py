@@ -3,33 +3,20 @@
 In strict mode (the spec's debug validator: tests, engine development) a violation raises
 :class:`StreamContractViolation` loudly. Otherwise it is logged and repaired: chunks after the
 terminal are dropped, and a stream that ends without a terminal gets an ``error`` terminal, so a
-client never sees a silently short stream. Strict mode is switched on at run time by
-``DYN_STRICT_STREAM_VALIDATION=1`` (or ``WorkerConfig.strict_validation``).
+client never sees a silently short stream. Strict mode is switched on by
+``WorkerConfig.strict_validation`` (the worker flag ``--strict-stream-validation``, env twin
+``DYN_STRICT_STREAM_VALIDATION``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 from dynamo.backend.engine import chunk
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.runtime.errors import Unknown
 
 log = logging.getLogger(__name__)
-
-
-STRICT_ENV = "DYN_STRICT_STREAM_VALIDATION"
-
-
-def strict_from_env() -> bool:
-    """Whether ``DYN_STRICT_STREAM_VALIDATION`` asks for the strict (debug) validator."""
-    raw = os.environ.get(STRICT_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{STRICT_ENV} must be a boolean (1/0, true/false), not {raw!r}")
 
 
 class StreamContractViolation(Unknown):

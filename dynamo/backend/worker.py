@@ -30,7 +30,7 @@ from dynamo.backend.disagg import role_component
 from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
 from dynamo.backend.prefill_queue import PrefillQueueConsumer
-from dynamo.backend.status_server import StatusServer, starting_ready
+from dynamo.backend.status_server import StatusConfig, StatusServer
 from dynamo.observability.metrics import EngineGauges, WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
@@ -52,11 +52,12 @@ class WorkerConfig:
     endpoint: str = "generate"
     role: WorkerRole = WorkerRole.AGGREGATED
     graceful_shutdown_timeout: float = 5.0
-    strict_validation: bool | None = None  # None: DYN_STRICT_STREAM_VALIDATION
+    strict_validation: bool = False  # raise on stream-contract violations (debug validator)
     install_signal_handlers: bool = True
     system_host: str = "0.0.0.0"
     system_port: int | None = None  # DYN_SYSTEM_PORT: the status server (None: off, 0: any)
-    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig.from_env)
+    status: StatusConfig = field(default_factory=StatusConfig)
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     migration_limit: int = 0  # advertised in the model card (request migration, frontend side)
 
     def endpoint_id(self) -> EndpointId:
@@ -121,7 +122,7 @@ class Worker:
             self._engine_metrics,
         )
         self.status: StatusServer | None = None
-        self._starting_ready = starting_ready()
+        self._starting_ready = config.status.starting_ready
         self._shutdown = asyncio.Event()
         self._cleanup_lock = asyncio.Lock()
         self._hooks: list[Callable[[Worker], Awaitable[None]]] = []
@@ -181,6 +182,7 @@ class Worker:
             self.metrics,
             self.config.system_host,
             self.config.system_port,
+            self.config.status,
         )
         await self.status.start()
         log.info("status server listening on %s:%d", self.config.system_host, self.status.port)

@@ -22,7 +22,6 @@ it knows nothing about sockets or streams.
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Final
 
@@ -51,7 +50,6 @@ CANCEL_RESET: Final = 3
 MAX_ARG: Final = 0xFFFF
 MAX_STREAM_ID: Final = 0xFFFFFFFF
 DEFAULT_MAX_FRAME_SIZE: Final = 32 * 1024 * 1024
-MAX_FRAME_SIZE_ENV: Final = "DYN_TCP_MAX_MESSAGE_SIZE"
 
 # Response kinds returned by decode_response.
 RESP_DATA: Final = 0
@@ -74,17 +72,6 @@ class RequestHeader(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     window: int
     """Frames the server may send ahead of the client's consumption (flow-control window)."""
-
-
-def default_max_frame_size() -> int:
-    """``DYN_TCP_MAX_MESSAGE_SIZE`` (bytes) or 32 MiB."""
-    raw = os.environ.get(MAX_FRAME_SIZE_ENV)
-    if not raw:
-        return DEFAULT_MAX_FRAME_SIZE
-    value = int(raw)
-    if value <= 0:
-        raise ValueError(f"{MAX_FRAME_SIZE_ENV} must be positive, got {raw!r}")
-    return value
 
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -8,6 +8,13 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo.runtime.codec import DEFAULT_MAX_FRAME_SIZE
+from dynamo.runtime.request_plane.tcp_server import (
+    DEFAULT_FRAME_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_INFLIGHT,
+)
+
 DISCOVERY_BACKENDS = ("memory", "file", "etcd")
 REQUEST_PLANES = ("local", "tcp")
 EVENT_PLANES = ("local", "zmq", "nats")
@@ -46,8 +53,11 @@ def add_flag(
     """
     env = env or env_name(flag)
     raw = os.environ.get(env)
+    try:
+        value = default if raw is None else (_parse_bool(raw) if type is bool else type(raw))
+    except ValueError as exc:  # name the variable: the traceback would not
+        raise ValueError(f"{env}={raw!r}: {exc}") from None
     if type is bool:
-        value = _parse_bool(raw) if raw is not None else default
         parser.add_argument(
             flag,
             default=value,
@@ -56,7 +66,6 @@ def add_flag(
             **kwargs,
         )
         return
-    value = type(raw) if raw is not None else default
     parser.add_argument(
         flag,
         default=value,
@@ -87,6 +96,12 @@ class RuntimeConfig:
     lease_ttl: float = 10.0
     etcd_endpoints: tuple[str, ...] = (DEFAULT_ETCD_ENDPOINTS,)
     nats_server: str = DEFAULT_NATS_SERVER
+    # The TCP request plane's limits (both its server and its client): the largest frame, the
+    # handlers running at once, the connections served, and how long a frame may take to arrive.
+    tcp_max_message_size: int = DEFAULT_MAX_FRAME_SIZE
+    tcp_max_inflight: int = DEFAULT_MAX_INFLIGHT
+    tcp_max_connections: int = DEFAULT_MAX_CONNECTIONS
+    tcp_frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.discovery_backend not in DISCOVERY_BACKENDS:
@@ -99,6 +114,10 @@ class RuntimeConfig:
             raise ValueError("lease TTL must be positive")
         if not self.etcd_endpoints:
             raise ValueError("at least one etcd endpoint is needed")
+        if min(self.tcp_max_message_size, self.tcp_max_inflight, self.tcp_max_connections) <= 0:
+            raise ValueError("TCP message size, in-flight and connection limits must be positive")
+        if self.tcp_frame_timeout_s <= 0:
+            raise ValueError("TCP frame timeout must be positive")
 
     @property
     def published_host(self) -> str:
@@ -166,6 +185,35 @@ class RuntimeConfig:
         add_flag(
             g, "--lease-ttl", default=d.lease_ttl, type=float, help="discovery lease TTL in seconds"
         )
+        add_flag(
+            g,
+            "--tcp-max-message-size",
+            default=d.tcp_max_message_size,
+            type=int,
+            help="largest TCP request-plane frame (header + body) in bytes",
+        )
+        add_flag(
+            g,
+            "--tcp-max-inflight",
+            default=d.tcp_max_inflight,
+            type=int,
+            help="request handlers the TCP request-plane server runs at once (more: Overloaded)",
+        )
+        add_flag(
+            g,
+            "--tcp-max-connections",
+            default=d.tcp_max_connections,
+            type=int,
+            help="connections the TCP request-plane server accepts (more: Overloaded, closed)",
+        )
+        add_flag(
+            g,
+            "--tcp-frame-timeout-secs",
+            default=d.tcp_frame_timeout_s,
+            type=float,
+            help="seconds a TCP request-plane frame may take to arrive before the connection "
+            "is closed",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RuntimeConfig:
@@ -180,4 +228,8 @@ class RuntimeConfig:
             lease_ttl=args.lease_ttl,
             etcd_endpoints=tuple(e.strip() for e in args.etcd_endpoints.split(",") if e.strip()),
             nats_server=args.nats_server,
+            tcp_max_message_size=args.tcp_max_message_size,
+            tcp_max_inflight=args.tcp_max_inflight,
+            tcp_max_connections=args.tcp_max_connections,
+            tcp_frame_timeout_s=args.tcp_frame_timeout_secs,
         )

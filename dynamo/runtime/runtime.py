@@ -296,14 +296,20 @@ class DistributedRuntime:
             assert self._hub is not None
             return LocalRequestPlaneServer(self._hub.requests)
         return TCPRequestPlaneServer(
-            host=self.config.host, port=0, advertise_host=self.config.advertise_host
+            host=self.config.host,
+            port=0,
+            advertise_host=self.config.advertise_host,
+            max_frame_size=self.config.tcp_max_message_size,
+            max_inflight=self.config.tcp_max_inflight,
+            max_connections=self.config.tcp_max_connections,
+            frame_timeout_s=self.config.tcp_frame_timeout_s,
         )
 
     def _make_transport(self) -> RequestPlaneClient:
         if self.config.request_plane == "local":
             assert self._hub is not None
             return LocalRequestPlaneClient(self._hub.requests)
-        return TCPRequestPlaneClient()
+        return TCPRequestPlaneClient(max_frame_size=self.config.tcp_max_message_size)
 
     async def _make_work_queue(
         self, name: str, *, max_depth: int, redelivery_timeout: float, host: bool

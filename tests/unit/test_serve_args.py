@@ -191,3 +191,13 @@ def test_bad_engine_flags_fail_before_anything_starts(
         serve.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_in_process_serving_gets_the_worker_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DYN_HEALTH_CHECK_ENABLED", raising=False)
+    monkeypatch.setenv("DYN_STRICT_STREAM_VALIDATION", "1")
+    options = plan(
+        ["--in-process", "--health-check-enabled", "--canary-wait-time=2"]
+    ).worker_options
+    assert options.strict_validation is True
+    assert options.health_check.enabled is True and options.health_check.canary_wait_s == 2.0

@@ -232,7 +232,7 @@ class TCPRequestPlaneClient:
             raise ValueError("max_connections and streams_per_connection must be at least 1")
         if not 1 <= window <= codec.MAX_ARG:
             raise ValueError(f"window must be in [1, {codec.MAX_ARG}]")
-        self.max_frame_size = max_frame_size or codec.default_max_frame_size()
+        self.max_frame_size = max_frame_size or codec.DEFAULT_MAX_FRAME_SIZE
         self._max_connections = max_connections
         self._streams_per_connection = streams_per_connection
         self._window = window

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from dynamo.runtime import codec
@@ -22,6 +21,10 @@ from dynamo.runtime.request_plane.streams import Outbox, run_handler
 from dynamo.runtime.request_plane.tcp_connection import FrameWriter
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_INFLIGHT = 16_384
+DEFAULT_MAX_CONNECTIONS = 4_096
+DEFAULT_FRAME_TIMEOUT_S = 30.0
 
 
 def _kill(ctx: Context) -> None:
@@ -176,7 +179,7 @@ class _ServerConnection(FrameWriter):
 class TCPRequestPlaneServer:
     """Serves all endpoints of this process on one TCP listener (see ``base.RequestPlaneServer``).
 
-    ``max_frame_size`` bounds a frame's header + body (default ``DYN_TCP_MAX_MESSAGE_SIZE`` or
+    ``max_frame_size`` bounds a frame's header + body (default
     32 MiB); a peer that sends garbage, a truncated or an oversized frame has its connection
     closed (logged), the server and its other connections carry on.
     """
@@ -192,26 +195,23 @@ class TCPRequestPlaneServer:
         frame_timeout_s: float | None = None,
         advertise_host: str = "",
     ) -> None:
-        """``max_inflight`` (default ``DYN_TCP_MAX_INFLIGHT`` or 16,384) bounds the handlers
+        """``max_inflight`` (default 16,384) bounds the handlers
         running at once: a flood of requests gets ``Overloaded`` instead of unbounded tasks.
-        ``max_connections`` (``DYN_TCP_MAX_CONNECTIONS``, 4,096): one more connection gets an
+        ``max_connections`` (4,096): one more connection gets an
         ``Overloaded`` error frame and is closed. ``frame_timeout_s``
-        (``DYN_TCP_FRAME_TIMEOUT_SECS``, 30): a connection that sends no first frame, or stops
+        (30 s): a connection that sends no first frame, or stops
         in the middle of one, for that long is closed (idle pooled connections between frames
         are left alone). ``advertise_host`` (default: ``host``) is the host in :attr:`address`,
         what peers dial: set it when binding a wildcard or an address others reach through
-        NAT."""
+        NAT. The process's values come from :class:`~dynamo.runtime.config.RuntimeConfig`
+        (``--tcp-*`` flags, ``DYN_TCP_*`` twins); None here means the default."""
         self.host = host
         self.advertise_host = advertise_host or host
         self.port = port
-        self.max_frame_size = max_frame_size or codec.default_max_frame_size()
-        self.max_inflight = max_inflight or int(os.environ.get("DYN_TCP_MAX_INFLIGHT", "16384"))
-        self.max_connections = max_connections or int(
-            os.environ.get("DYN_TCP_MAX_CONNECTIONS", "4096")
-        )
-        self.frame_timeout_s = frame_timeout_s or float(
-            os.environ.get("DYN_TCP_FRAME_TIMEOUT_SECS", "30")
-        )
+        self.max_frame_size = max_frame_size or codec.DEFAULT_MAX_FRAME_SIZE
+        self.max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT
+        self.max_connections = max_connections or DEFAULT_MAX_CONNECTIONS
+        self.frame_timeout_s = frame_timeout_s or DEFAULT_FRAME_TIMEOUT_S
         self._sweeper: asyncio.TimerHandle | None = None
         self._handlers: dict[str, Handler] = {}
         self._server: asyncio.Server | None = None

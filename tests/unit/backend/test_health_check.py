@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import AsyncIterator
@@ -29,23 +30,33 @@ RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event
 FAST = HealthCheckConfig(enabled=True, canary_wait_s=0.05, request_timeout_s=1.0)
 
 
-def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _parsed(argv: list[str]) -> HealthCheckConfig:
+    parser = argparse.ArgumentParser()
+    HealthCheckConfig.add_arguments(parser)
+    return HealthCheckConfig.from_args(parser.parse_args(argv))
+
+
+def test_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("ENABLED", "REQUEST_TIMEOUT", "PAYLOAD"):
         monkeypatch.delenv(f"DYN_HEALTH_CHECK_{name}", raising=False)
     monkeypatch.delenv("DYN_CANARY_WAIT_TIME", raising=False)
-    assert HealthCheckConfig.from_env() == HealthCheckConfig(False, 10.0, 3.0, None)
+    assert _parsed([]) == HealthCheckConfig(False, 10.0, 3.0, None) == HealthCheckConfig()
+    flags = ["--health-check-enabled", "--canary-wait-time=2.5"]
+    flags += ["--health-check-request-timeout=0.5", '--health-check-payload={"token_ids": [1]}']
+    assert _parsed(flags) == HealthCheckConfig(True, 2.5, 0.5, '{"token_ids": [1]}')
     monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
     monkeypatch.setenv("DYN_CANARY_WAIT_TIME", "2.5")
     monkeypatch.setenv("DYN_HEALTH_CHECK_REQUEST_TIMEOUT", "0.5")
     monkeypatch.setenv("DYN_HEALTH_CHECK_PAYLOAD", '{"token_ids": [1]}')
-    assert HealthCheckConfig.from_env() == HealthCheckConfig(True, 2.5, 0.5, '{"token_ids": [1]}')
+    assert _parsed([]) == HealthCheckConfig(True, 2.5, 0.5, '{"token_ids": [1]}')
+    assert _parsed(["--no-health-check-enabled"]).enabled is False  # the flag wins
     monkeypatch.setenv("DYN_CANARY_WAIT_TIME", "soon")
-    with pytest.raises(ValueError, match="DYN_CANARY_WAIT_TIME must be a number"):
-        HealthCheckConfig.from_env()
+    with pytest.raises(ValueError, match="DYN_CANARY_WAIT_TIME"):
+        _parsed([])
     monkeypatch.setenv("DYN_CANARY_WAIT_TIME", "2.5")
     monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "sometimes")
     with pytest.raises(ValueError, match="DYN_HEALTH_CHECK_ENABLED"):
-        HealthCheckConfig.from_env()
+        _parsed([])
     with pytest.raises(ValueError, match="positive"):
         HealthCheckConfig(canary_wait_s=0)
 

@@ -8,13 +8,16 @@ import asyncio
 import msgspec
 import pytest
 
+from dynamo.backend.health_check import HealthCheckConfig
 from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.serve_engine import (
+    ServeOptions,
     WorkerSpec,
     add_worker_arguments,
     build_served_worker,
     serve_engine,
 )
+from dynamo.backend.status_server import StatusConfig
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import model_cards_prefix
@@ -61,3 +64,46 @@ def test_an_endpoint_outside_the_namespace_is_a_usage_error(
     spec = WorkerSpec(model_path="", endpoint="dyn://other.backend.generate")
     assert serve_engine(lambda p: CountingEngine(), spec, args, name="test engine") == 2
     assert "test engine: --endpoint must be in the runtime's --namespace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["flags", "env"])
+def test_worker_settings_reach_the_worker(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    envs = {
+        "DYN_STRICT_STREAM_VALIDATION": "1",
+        "DYN_SYSTEM_HEALTH_PATH": "/hz",
+        "DYN_SYSTEM_LIVE_PATH": "/lz",
+        "DYN_SYSTEM_STARTING_HEALTH_STATUS": "ready",
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "DYN_CANARY_WAIT_TIME": "2",
+        "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5",
+        "DYN_HEALTH_CHECK_PAYLOAD": '{"token_ids": [1]}',
+    }
+    for name, value in envs.items():
+        if source == "env":
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
+    argv = ["--discovery-backend", "memory", "--request-plane", "local", "--event-plane", "local"]
+    if source == "flags":
+        argv += ["--strict-stream-validation", "--system-health-path=/hz"]
+        argv += ["--system-live-path=/lz", "--system-starting-health-status=ready"]
+        argv += ["--health-check-enabled", "--canary-wait-time=2"]
+        argv += ["--health-check-request-timeout=0.5", '--health-check-payload={"token_ids": [1]}']
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    options = ServeOptions.from_args(args)
+    worker = build_served_worker(
+        lambda _: CountingEngine(),
+        WorkerSpec(model_path=""),
+        RuntimeConfig.from_args(args),
+        options,
+        hub=InProcessHub(),
+        install_signal_handlers=False,
+    )
+    config = worker.config
+    assert config.strict_validation is True
+    assert all(r.adapter.strict for r in worker._regs)  # noqa: SLF001 - the adapters built
+    assert config.status == StatusConfig("/hz", "/lz", "ready")
+    assert worker._health() == {"generate": True}  # noqa: SLF001 - starting counts as ready
+    assert config.health_check == HealthCheckConfig(True, 2.0, 0.5, '{"token_ids": [1]}')

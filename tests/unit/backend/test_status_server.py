@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from dynamo.backend.status_server import StatusServer
+from dynamo.backend.status_server import StatusConfig, StatusServer
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
@@ -16,8 +17,14 @@ from tests.fakes import CountingEngine
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
 
 
-def server(endpoints: dict[str, bool]) -> StatusServer:
-    return StatusServer(lambda: endpoints, CollectorRegistry(), None, "127.0.0.1", 0)
+def server(endpoints: dict[str, bool], config: StatusConfig | None = None) -> StatusServer:
+    return StatusServer(lambda: endpoints, CollectorRegistry(), None, "127.0.0.1", 0, config)
+
+
+def status_config(argv: list[str]) -> StatusConfig:
+    parser = argparse.ArgumentParser()
+    StatusConfig.add_arguments(parser)
+    return StatusConfig.from_args(parser.parse_args(argv))
 
 
 def test_health_and_live_payloads() -> None:
@@ -37,22 +44,32 @@ def test_health_and_live_payloads() -> None:
     assert up.handle(b"GET", b"/nope", b"", None, b"")[0] == 404
 
 
-def test_paths_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paths_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DYN_SYSTEM_HEALTH_PATH", raising=False)
+    monkeypatch.delenv("DYN_SYSTEM_LIVE_PATH", raising=False)
+    assert status_config([]) == StatusConfig()
+    flags = status_config(["--system-health-path=/ready-z", "--system-live-path=alive"])
     monkeypatch.setenv("DYN_SYSTEM_HEALTH_PATH", "/ready-z")
     monkeypatch.setenv("DYN_SYSTEM_LIVE_PATH", "alive")  # a missing leading slash is added
-    s = server({"generate": True})
+    env = status_config([])
+    assert flags == env == StatusConfig("/ready-z", "alive")
+    s = server({"generate": True}, env)
     assert s.handle(b"GET", b"/ready-z", b"", None, b"")[0] == 200
     assert s.handle(b"GET", b"/alive", b"", None, b"")[0] == 200
     assert s.handle(b"GET", b"/health", b"", None, b"")[0] == 404
 
 
-@pytest.mark.parametrize(("value", "ready"), [(None, False), ("notready", False), ("ready", True)])
+@pytest.mark.parametrize(
+    ("value", "ready"), [(None, False), ("notready", False), ("ready", True), (" Ready", True)]
+)
 def test_starting_status(monkeypatch: pytest.MonkeyPatch, value: str | None, ready: bool) -> None:
-    if value is None:
-        monkeypatch.delenv("DYN_SYSTEM_STARTING_HEALTH_STATUS", raising=False)
-    else:
+    monkeypatch.delenv("DYN_SYSTEM_STARTING_HEALTH_STATUS", raising=False)
+    from_flag = status_config([] if value is None else [f"--system-starting-health-status={value}"])
+    if value is not None:
         monkeypatch.setenv("DYN_SYSTEM_STARTING_HEALTH_STATUS", value)
-    config = WorkerConfig(runtime=RUNTIME, install_signal_handlers=False)
+    status = status_config([])
+    assert status == from_flag and status.starting_ready is ready
+    config = WorkerConfig(runtime=RUNTIME, install_signal_handlers=False, status=status)
     worker = Worker([CountingEngine()], config, runtime=DistributedRuntime(RUNTIME, InProcessHub()))
     assert worker._health() == {"generate": ready}  # noqa: SLF001 - before start: starting
     worker.request_shutdown()
@@ -62,4 +79,6 @@ def test_starting_status(monkeypatch: pytest.MonkeyPatch, value: str | None, rea
 def test_a_bad_starting_status_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_SYSTEM_STARTING_HEALTH_STATUS", "maybe")
     with pytest.raises(ValueError, match="DYN_SYSTEM_STARTING_HEALTH_STATUS"):
-        Worker([CountingEngine()], WorkerConfig(runtime=RUNTIME))
+        status_config([])
+    with pytest.raises(ValueError, match="ready or notready"):
+        StatusConfig(starting_health_status="maybe")

@@ -1,4 +1,4 @@
-"""The stream validator's failure paths, in repair and strict (debug) mode, switched by env."""
+"""The stream validator's failure paths, in repair and strict (debug) mode."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ import pytest
 
 from dynamo.backend.adapter import EngineAdapter
 from dynamo.backend.engine import chunk
-from dynamo.backend.validate import (
-    STRICT_ENV,
-    StreamContractViolation,
-    StreamValidator,
-    strict_from_env,
-)
+from dynamo.backend.validate import StreamContractViolation, StreamValidator
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
 from dynamo.runtime.context import Context
@@ -74,25 +69,7 @@ def test_strict_raises_on_each_violation() -> None:
         empty.finish()
 
 
-# -- switched at run time ----------------------------------------------------------------------
-def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(STRICT_ENV, raising=False)
-    assert strict_from_env() is False
-    assert EngineAdapter(CountingEngine()).strict is False
-    for on in ("1", "true", "YES", "on"):
-        monkeypatch.setenv(STRICT_ENV, on)
-        assert strict_from_env() is True
-    assert EngineAdapter(CountingEngine()).strict is True
-    assert EngineAdapter(CountingEngine(), strict=False).strict is False  # explicit wins
-    monkeypatch.setenv(STRICT_ENV, "0")
-    assert strict_from_env() is False
-    monkeypatch.setenv(STRICT_ENV, "maybe")
-    with pytest.raises(ValueError, match=STRICT_ENV):
-        strict_from_env()
-
-
-async def test_adapter_repairs_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+async def test_adapter_repairs_by_default() -> None:
     outs = await run(EngineAdapter(NoTerminal()))
     assert [o.finish_reason for o in outs] == [None, None, FinishReason.ERROR]
     outs = await run(EngineAdapter(AfterTerminal()))
@@ -100,11 +77,8 @@ async def test_adapter_repairs_by_default(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.parametrize("engine_cls", [NoTerminal, AfterTerminal])
-async def test_adapter_is_strict_when_the_env_says_so(
-    monkeypatch: pytest.MonkeyPatch, engine_cls: type[CountingEngine]
-) -> None:
-    monkeypatch.setenv(STRICT_ENV, "1")
-    adapter = EngineAdapter(engine_cls())
+async def test_adapter_is_strict_when_asked(engine_cls: type[CountingEngine]) -> None:
+    adapter = EngineAdapter(engine_cls(), strict=True)
     with pytest.raises(StreamContractViolation):
         await run(adapter)
     assert adapter.num_inflight == 0

@@ -129,13 +129,7 @@ def test_oversized_frame_is_rejected_from_its_prefix() -> None:
     assert FrameDecoder(5000).feed(prefix) == []
 
 
-def test_default_max_frame_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(codec.MAX_FRAME_SIZE_ENV, raising=False)
-    assert codec.default_max_frame_size() == 32 * 1024 * 1024
-    monkeypatch.setenv(codec.MAX_FRAME_SIZE_ENV, "1000")
-    assert codec.default_max_frame_size() == 1000
-    monkeypatch.setenv(codec.MAX_FRAME_SIZE_ENV, "-1")
-    with pytest.raises(ValueError):
-        codec.default_max_frame_size()
+def test_max_frame_size_must_be_positive() -> None:
+    assert codec.DEFAULT_MAX_FRAME_SIZE == 32 * 1024 * 1024
     with pytest.raises(ValueError):
         FrameDecoder(0)
