@@ -7,7 +7,9 @@ the queue this frontend hosts over its request plane on one machine, JetStream a
 machines) and waits for the :class:`PrefillReply` that the worker which took it sends to this
 frontend's ``prefill_reply`` endpoint. Prefill workers come and go with no coordination: each
 pulls when it is free (``backend/prefill_queue.py``); one that leaves gives its unsettled task
-back, and one that dies is replaced by the queue's redelivery after its timeout.
+back, and one that dies has its task given back as soon as the queue notices (the served
+queue: at once, its connection to this frontend dropping; JetStream: after the redelivery
+timeout).
 
 Delivery is at least once: a task can be answered twice (redelivered while its first consumer
 was slow). The first reply wins; a later one, or one for a request that stopped waiting

@@ -179,6 +179,10 @@ class LocalWorkQueue:
         self._delivered[item_id] = stored.deliveries
         return WorkItem(item_id, stored.payload, stored.deliveries)
 
+    def delivered_now(self, item: WorkItem) -> bool:
+        """Whether ``item`` is its item's current, unsettled delivery."""
+        return self._state.settle_target(item) is not None
+
     async def ack(self, item: WorkItem) -> None:
         self._delivered.pop(item.item_id, None)
         state = self._state

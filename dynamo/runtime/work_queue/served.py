@@ -10,9 +10,12 @@ the hosts through discovery and send each operation as one request (a msgpack
 * ``push`` goes to the handle's own store when it hosts, else to a live host;
 * ``pull`` long-polls the live hosts in turn (slices of at most ``POLL_SLICE_S`` seconds, so a
   host that joins or leaves is noticed and ``close()`` is not held up), so one consumer serves
-  every host;
+  every host. A pull that delivers an item stays open after its reply, as the consumer's
+  *hold* on that item, until the item is settled: if the consumer dies (its request-plane
+  connection drops) or abandons the hold, the host gives the item back at once instead of
+  after the redelivery timeout (which stays the last resort, e.g. for a consumer that hangs);
 * ``ack`` / ``nack`` go back to the host that delivered the item (the store's semantics apply:
-  redelivery after the timeout, late acks complete the item);
+  redelivery after the timeout, late acks complete the item) and end its hold;
 * ``depth`` reads the handle's own store when it hosts, else sums the hosts.
 
 With several hosts (several frontends) each keeps its own items, FIFO per host; every consumer
@@ -27,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
 
@@ -45,6 +48,7 @@ ENDPOINT = "ops"
 POLL_SLICE_S = 1.0  # longest single long-poll of one host
 MULTI_HOST_SLICE_S = 0.05  # per host, when several host items
 MAX_HOST_POLL_S = 5.0  # a host never holds a pull longer than this
+HOLD_CHECK_S = 1.0  # how often a hold looks for its item's redelivery by timeout
 _RETRY_S = 0.1
 
 
@@ -88,6 +92,8 @@ class QueueHost:
         # Ids start at a random point: a consumer of several hosts sees distinct item ids.
         self._store = LocalQueueStore(first_item_id=random.SystemRandom().getrandbits(40) + 1)
         self._queues: dict[str, LocalWorkQueue] = {}
+        # The holds of delivered items (queue, item id, deliveries): set when settled.
+        self._holds: dict[tuple[str, int, int], asyncio.Event] = {}
 
     def queue(self, name: str, max_depth: int, redelivery_timeout: float) -> LocalWorkQueue:
         """The hosted queue ``name`` (``ValueError`` when it exists with other limits)."""
@@ -114,10 +120,22 @@ class QueueHost:
         elif op.op == "pull":
             item = await _pull_unless_stopped(queue, min(op.timeout, MAX_HOST_POLL_S), ctx)
             if item is not None:
-                reply = QueueReply(item.item_id, item.payload, item.deliveries)
+                key = (op.queue, item.item_id, item.deliveries)
+                settled = self._holds[key] = asyncio.Event()
+                try:
+                    yield _encoder.encode(QueueReply(item.item_id, item.payload, item.deliveries))
+                    await _hold(queue, item, settled, ctx)
+                finally:
+                    del self._holds[key]
+                    if not settled.is_set():  # the consumer died or let go: give it back now
+                        await queue.nack(item)
+                return
         elif op.op in ("ack", "nack"):
             item = WorkItem(op.item_id, b"", op.deliveries)
             await (queue.ack(item) if op.op == "ack" else queue.nack(item))
+            hold = self._holds.get((op.queue, op.item_id, op.deliveries))
+            if hold is not None:
+                hold.set()
         elif op.op == "depth":
             depth = await queue.depth()
             reply = QueueReply(waiting=depth.waiting, in_flight=depth.in_flight)
@@ -128,6 +146,27 @@ class QueueHost:
     async def close(self) -> None:
         for queue in self._queues.values():
             await queue.close()
+
+
+async def _hold(
+    queue: LocalWorkQueue, item: WorkItem, settled: asyncio.Event, ctx: Context
+) -> None:
+    """Wait until ``item`` is settled (``settled`` set), redelivered by the store's timeout
+    (``settled`` is set then too: the hold is over) or its consumer goes away (``ctx``
+    stops: its connection dropped or it abandoned the stream; ``settled`` stays clear)."""
+    stopped = asyncio.ensure_future(ctx.stopped())
+    done = asyncio.ensure_future(settled.wait())
+    try:
+        while not settled.is_set() and not ctx.is_stopped():
+            await asyncio.wait(
+                {stopped, done}, timeout=HOLD_CHECK_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not queue.delivered_now(item):  # acked late, or redelivered by the timeout
+                settled.set()
+    finally:
+        stopped.cancel()
+        done.cancel()
+        await asyncio.gather(stopped, done, return_exceptions=True)
 
 
 async def _pull_unless_stopped(
@@ -173,6 +212,7 @@ class ServedWorkQueue:
         self._turn = 0
         self._closed = False
         self._pulls: set[Context] = set()  # pulls on their way to a host
+        self._holds: dict[int, asyncio.Task[None]] = {}  # item id -> its hold (_pull_from)
         self._no_pulls = asyncio.Event()
 
     @property
@@ -235,7 +275,7 @@ class ServedWorkQueue:
             ctx = Context()
             self._pulls.add(ctx)
             try:
-                reply = await self._call(host, "pull", ctx, timeout=min(remaining, slice_s))
+                reply, hold = await self._pull_from(host, ctx, min(remaining, slice_s))
             except DynamoError as exc:  # a host went away (or close() stopped us)
                 if self._closed:
                     return None
@@ -254,17 +294,55 @@ class ServedWorkQueue:
             if self._closed:  # closed while the pull was on its way: give it back
                 with contextlib.suppress(DynamoError):
                     await self._call(host, "nack", item_id=item.item_id, deliveries=item.deliveries)
+                await _let_go(hold)
                 return None
             self._delivered[item.item_id] = (host, item.deliveries)
+            if hold is not None:
+                self._holds[item.item_id] = hold
             return item
         return None
 
+    async def _pull_from(
+        self, host: int, ctx: Context, timeout: float
+    ) -> tuple[QueueReply, asyncio.Task[None] | None]:
+        """One long-poll of ``host``. With an item, the stream stays open as this process's
+        hold on it (see the module docstring): the returned task keeps reading it until the
+        host ends it (the item settled); cancelling the task lets go of the item."""
+        body = _encoder.encode(
+            QueueOp(
+                op="pull",
+                queue=self._name,
+                max_depth=self._max_depth,
+                redelivery_timeout=self._redelivery_timeout,
+                timeout=timeout,
+            )
+        )
+        stream = self._client.stream(body, ctx, instance_id=host)
+        try:
+            reply = _reply_decoder.decode(await anext(stream))
+        except StopAsyncIteration:
+            return QueueReply(), None
+        except BaseException:
+            await stream.aclose()
+            raise
+        if reply.item_id == 0:
+            await stream.aclose()
+            return reply, None
+        return reply, asyncio.create_task(_drain(stream), name=f"work-queue-hold:{self._name}")
+
     async def _settle(self, op: str, item: WorkItem) -> None:
         delivered = self._delivered.pop(item.item_id, None)
+        hold = self._holds.pop(item.item_id, None)
         if delivered is None:
+            await _let_go(hold)
             return
         host, _ = delivered
-        await self._call(host, op, item_id=item.item_id, deliveries=item.deliveries)
+        try:
+            await self._call(host, op, item_id=item.item_id, deliveries=item.deliveries)
+        finally:
+            # Let go only after the host has the settlement: letting go first would give the
+            # item back (and a finished item would be delivered again).
+            await _let_go(hold)
 
     async def ack(self, item: WorkItem) -> None:
         await self._settle("ack", item)
@@ -300,3 +378,26 @@ class ServedWorkQueue:
             with contextlib.suppress(DynamoError):
                 await self._call(host, "nack", item_id=item_id, deliveries=deliveries)
         self._delivered.clear()
+        for hold in list(self._holds.values()):
+            await _let_go(hold)
+        self._holds.clear()
+
+
+async def _drain(stream: AsyncGenerator[bytes, None]) -> None:
+    """Keep a hold's stream open until the host ends it; a failure ends the hold (the host
+    sees the stream go and gives the item back)."""
+    try:
+        async for _ in stream:
+            pass
+    except DynamoError as exc:
+        log.debug("work queue hold ended: %s", exc)
+    finally:
+        await stream.aclose()
+
+
+async def _let_go(hold: asyncio.Task[None] | None) -> None:
+    """End a hold: the host's end of it gives its item back if it is still unsettled."""
+    if hold is None:
+        return
+    hold.cancel()
+    await asyncio.gather(hold, return_exceptions=True)

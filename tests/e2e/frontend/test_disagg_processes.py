@@ -219,3 +219,63 @@ def test_queue_dispatch_across_processes_prefill_workers_join_and_leave() -> Non
         assert taken >= 1
     finally:
         stack.close()
+
+
+def test_queue_dispatch_prefill_worker_killed_holding_a_task() -> None:
+    """Dispatch ``queue``: the prefill worker holding a task is SIGKILLed mid-prefill. The host
+    (the frontend) sees its request-plane connection drop and gives the task back at once: the
+    other prefill worker prefills it and the client gets its answer long before the queue's
+    30 s redelivery timeout, with nothing left in flight and the task prefilled only once more."""
+    stack = Stack()
+    try:
+        ports = [free_port(), free_port()]
+        # 1/20 speed: the doomed prompt's prefill takes over a second, time to kill its worker.
+        prefill = ("--disaggregation-mode", "prefill", "--speedup-ratio", "0.05")
+        workers = [
+            stack.mocker("demo", *MOCKER, *prefill, DYN_SYSTEM_PORT=str(port)) for port in ports
+        ]
+        stack.mocker("demo", *MOCKER, "--disaggregation-mode", "decode", "--speedup-ratio", "0")
+        stack.frontend("--router-mode", "kv", "--prefill-dispatch", "queue")
+        wait_http(stack.port, "/v1/models")
+        handoffs = "dynamo_component_disagg_handoffs_total"
+        tries = iter(range(1000))
+        wait_for(
+            lambda: (
+                chat(stack.port, long_prompt(f"warm{next(tries)}"))[0] == 200
+                and sum(metric_sum(port, handoffs) for port in ports) >= 1
+            ),
+            "a long prompt prefilled through the queue",
+        )
+        inflight = "dynamo_component_inflight_requests"
+        outcome: list[tuple[int, dict[str, object]]] = []
+        waiting = threading.Thread(
+            target=lambda: outcome.append(chat(stack.port, long_prompt("doomed", 700)))
+        )
+        waiting.start()
+        holder: list[int] = []
+
+        def someone_prefills() -> bool:
+            holder[:] = [i for i, port in enumerate(ports) if metric_sum(port, inflight) > 0]
+            return bool(holder)
+
+        wait_for(someone_prefills, "a prefill worker takes the task", timeout=20)
+        dead, survivor = holder[0], 1 - holder[0]
+        before = metric_sum(ports[survivor], handoffs)
+        workers[dead].popen.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        waiting.join(60)
+        elapsed = time.monotonic() - killed_at
+        assert outcome, "the request hung"
+        status, body = outcome[0]
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 4  # type: ignore[index]
+        assert elapsed < 10, f"the task came back after {elapsed:.1f}s (redelivery timeout?)"
+        assert metric_sum(ports[survivor], handoffs) == before + 1
+        assert metric_sum(ports[survivor], inflight) == 0
+        assert metric_sum(stack.port, "dynamo_frontend_disagg_remote_prefills_inflight") == 0
+        # Nothing stranded in the queue: the next long prompt is prefilled by the survivor.
+        status, body = chat(stack.port, long_prompt("after", 300))
+        assert status == 200, body
+        assert metric_sum(ports[survivor], handoffs) == before + 2
+    finally:
+        stack.close()

@@ -214,6 +214,47 @@ async def test_close_wakes_pulls_and_gives_back_unsettled_items(open_queue: Open
     await staying.ack(again)
 
 
+async def test_served_item_of_a_consumer_whose_connection_drops_comes_back_at_once(
+    tmp_path: Path,
+) -> None:
+    """The host notices a consumer's death by its request-plane connection dropping (the
+    consumer's process is gone) and gives back its item at once, long before the timeout."""
+    runtimes: list[DistributedRuntime] = []
+    for _ in range(3):
+        runtime = DistributedRuntime(
+            RuntimeConfig(namespace="wq", discovery_dir=str(tmp_path), lease_ttl=5.0)
+        )
+        await runtime.start()
+        runtimes.append(runtime)
+    try:
+        host, dying, staying = [
+            await rt.work_queue("prefill", max_depth=4, redelivery_timeout=60.0, host=i == 0)
+            for i, rt in enumerate(runtimes)
+        ]
+        for handle in (dying, staying):
+            await handle._client.wait_for_instances(1, timeout=5)  # type: ignore[attr-defined]
+        await host.push(b"task")
+        held = await dying.pull(timeout=2)
+        assert held is not None and held.deliveries == 1
+        assert await host.depth() == QueueDepth(0, 1)
+        # The consumer "dies": its connections to the host drop with no nack sent.
+        await runtimes[1].transport.close()
+        again = await staying.pull(timeout=10)
+        assert again is not None and again.payload == b"task" and again.deliveries == 2
+        await staying.ack(again)
+        assert await host.depth() == QueueDepth(0, 0)
+        # An acked item stays acked: the finished hold gives nothing back.
+        await host.push(b"next")
+        item = await staying.pull(timeout=2)
+        assert item is not None
+        await staying.ack(item)
+        await asyncio.sleep(0.2)
+        assert await host.depth() == QueueDepth(0, 0)
+    finally:
+        for runtime in reversed(runtimes):
+            await runtime.shutdown()
+
+
 async def test_runtimes_of_one_hub_share_a_namespaced_queue() -> None:
     from dynamo.runtime.config import RuntimeConfig
     from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
