@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
-from dynamo.runtime.event_plane.base import EventMessage, EventPlane, Subscription
+from dynamo.runtime.event_plane.base import EventMessage, EventPlane
 from dynamo.runtime.event_plane.local import LocalEventBus, LocalEventPlane
 from dynamo.runtime.event_plane.nats import NatsEventPlane
 from dynamo.runtime.event_plane.zmq import ZmqEventPlane
 from dynamo.runtime.nats_client import connect_nats
+from tests.unit.runtime.event_probe import recv_data, wait_connected
 
 NS = "contract-ns"
-PROBE = "#probe"  # suffix of connection-probe topics (their seq is their own)
 MakePlane = Callable[..., Awaitable[EventPlane]]
 """``make(slow=False)``: a started plane; ``slow=True`` gives it small receive/send bounds."""
 
@@ -53,38 +53,6 @@ async def make_plane(request: pytest.FixtureRequest) -> AsyncIterator[MakePlane]
     yield make
     for close in reversed(closers):
         await close()
-
-
-async def recv(sub: Subscription, timeout: float = 5.0) -> EventMessage:
-    async with asyncio.timeout(timeout):
-        return await anext(aiter(sub))
-
-
-async def recv_data(sub: Subscription, timeout: float = 5.0) -> EventMessage:
-    """The next message that is not a connection probe."""
-    while (message := await recv(sub, timeout)).topic.endswith(PROBE):
-        pass
-    return message
-
-
-async def wait_connected(publisher: EventPlane, sub: Subscription, prefix: str) -> None:
-    """Publish probes (on a topic ``sub`` matches) until one reaches it: ZMQ connects
-    asynchronously (slow joiner); local and NATS deliver the first probe."""
-    topic = prefix + PROBE
-    async with asyncio.timeout(15.0):
-        while True:
-            await publisher.publish(topic, b"")
-            try:
-                async with asyncio.timeout(0.05):
-                    while True:
-                        message = await anext(aiter(sub))
-                        if (
-                            message.topic == topic
-                            and message.publisher_id == publisher.publisher_id
-                        ):
-                            return
-            except TimeoutError:
-                continue
 
 
 async def test_publish_subscribe_by_prefix_with_seq_per_topic(make_plane: MakePlane) -> None:

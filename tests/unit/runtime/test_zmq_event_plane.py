@@ -18,12 +18,13 @@ import zmq
 
 from dynamo.runtime.discovery.file import FileDiscovery
 from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
-from dynamo.runtime.event_plane.base import EventMessage, Subscription
+from dynamo.runtime.event_plane.base import EventMessage
 from dynamo.runtime.event_plane.zmq import PublisherInfo, ZmqEventPlane, ZmqSubscription
 from dynamo.runtime.naming import event_publishers_prefix
+from tests.unit.runtime.event_probe import recv, recv_data
+from tests.unit.runtime.event_probe import wait_connected as probe_connected
 
 NS = "test-ns"
-PROBE = "#probe"  # suffix of connection-probe topics (their seq is their own)
 MakePlane = Callable[..., Awaitable[ZmqEventPlane]]
 
 
@@ -46,35 +47,8 @@ async def make_plane() -> AsyncIterator[MakePlane]:
         await disc.close()
 
 
-async def recv(sub: Subscription, timeout: float = 5.0) -> EventMessage:
-    async with asyncio.timeout(timeout):
-        return await anext(aiter(sub))
-
-
-async def recv_data(sub: Subscription, timeout: float = 5.0) -> EventMessage:
-    """The next message that is not a connection probe."""
-    while (message := await recv(sub, timeout)).topic.endswith(PROBE):
-        pass
-    return message
-
-
 async def wait_connected(publisher: ZmqEventPlane, sub: ZmqSubscription) -> None:
-    """ZMQ slow joiner: publish probes (on a topic ``sub`` matches) until one reaches it."""
-    topic = sub.prefix + PROBE
-    async with asyncio.timeout(15.0):
-        while True:
-            await publisher.publish(topic, b"")
-            try:
-                async with asyncio.timeout(0.05):
-                    while True:
-                        message = await anext(aiter(sub))
-                        if (
-                            message.topic == topic
-                            and message.publisher_id == publisher.publisher_id
-                        ):
-                            return
-            except TimeoutError:
-                continue
+    await probe_connected(publisher, sub, sub.prefix)
 
 
 async def test_late_publisher_is_discovered_and_dropped(make_plane: MakePlane) -> None:
