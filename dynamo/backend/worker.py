@@ -31,7 +31,8 @@ from dynamo.backend.engine import EngineConfig, LLMEngine, RankMetrics
 from dynamo.backend.health_check import HealthCanary, HealthCheckConfig, canary_payload
 from dynamo.backend.prefill_queue import PrefillQueueConsumer
 from dynamo.backend.status_server import StatusConfig, StatusServer
-from dynamo.observability.metrics import EngineGauges, WorkerMetrics
+from dynamo.observability.engine_metrics import EngineGauges
+from dynamo.observability.metrics import WorkerMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId, model_files_prefix, new_instance_id

@@ -31,7 +31,8 @@ import msgspec
 from dynamo.frontend.inflight import InflightRequest
 from dynamo.frontend.model_registry import ModelRegistry
 from dynamo.frontend.pipeline import ModelPipeline
-from dynamo.observability.metrics import FrontendMetrics, HitRateWindow
+from dynamo.observability.engine_metrics import HitRateWindow
+from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.load import LOAD_TOPIC, WorkerLoad
 from dynamo.runtime.runtime import DistributedRuntime
 

@@ -26,7 +26,7 @@ from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
 from dynamo.mocker.simulator import MockerScheduler, StepOutput
 from dynamo.mocker.timing import Clock, RealClock, pass_sleep, pass_start
-from dynamo.observability.metrics import HitRateWindow
+from dynamo.observability.engine_metrics import HitRateWindow
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
 from dynamo.protocol.load import WorkerLoad

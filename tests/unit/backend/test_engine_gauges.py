@@ -15,7 +15,7 @@ from dynamo.backend.engine import RankMetrics
 from dynamo.backend.worker import Worker, WorkerConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.engine import MockerEngine
-from dynamo.observability.metrics import EngineGauges, HitRateWindow
+from dynamo.observability.engine_metrics import EngineGauges, HitRateWindow
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
