@@ -26,6 +26,7 @@ import msgspec
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy, is_instance_fault
 from dynamo.frontend.pipeline import ChoiceStats
+from dynamo.frontend.placement import InstanceStreams, continuation_candidates
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.observability.router_metrics import RouterRequestSeries
@@ -66,25 +67,39 @@ class Timeouts:
 class Load:
     """The load one routed request adds to its router, released exactly once: the prefill part at
     the first token, the whole at :meth:`free` (idempotent; the in-flight request frees whatever
-    is left when it finishes)."""
+    is left when it finishes). Once :meth:`dispatched`, the model's per-instance stream counts
+    (``placement.InstanceStreams``) follow it too."""
 
-    __slots__ = ("_router", "request_id", "prefilled", "freed")
+    __slots__ = ("_router", "request_id", "prefilled", "freed", "_streams", "_instance", "_new")
 
     def __init__(self, router: Router, request_id: str) -> None:
         self._router = router
         self.request_id = request_id
         self.prefilled = False
         self.freed = False
+        self._streams: InstanceStreams | None = None
+        self._instance = 0
+        self._new = False
+
+    def dispatched(self, streams: InstanceStreams, instance_id: int, new_request: bool) -> None:
+        """Sent to ``instance_id``; ``new_request``: a first attempt (not a continuation)."""
+        if not self.freed and self._streams is None:
+            self._streams, self._instance, self._new = streams, instance_id, new_request
+            streams.dispatched(instance_id, new_request)
 
     def first_token(self) -> None:
         if not self.prefilled and not self.freed:
             self.prefilled = True
             self._router.on_first_token(self.request_id)
+            if self._streams is not None and self._new:
+                self._streams.first_token(self._instance)
 
     def free(self) -> None:
         if not self.freed:
             self.freed = True
             self._router.on_finish(self.request_id)
+            if self._streams is not None:
+                self._streams.ended(self._instance, self._new and not self.prefilled)
 
 
 def candidates(entry: ModelEntry[ModelPipeline]) -> list[ModelCard]:
@@ -217,9 +232,10 @@ async def attempts(
                 router = entry.router
                 queue: RouterQueue | None = getattr(router, "queue", None)
                 if queue is None:
-                    selection = route(router, current, _live(entry, avoid), metrics)
+                    live_now = _live(entry, avoid, current, failure is not None)
+                    selection = route(router, current, live_now, metrics)
                 else:
-                    live = partial(_live, entry, avoid)
+                    live = partial(_live, entry, avoid, current, failure is not None)
                     selection = await held_route(
                         queue, router, current, live, ctx, timeouts, metrics
                     )
@@ -230,7 +246,9 @@ async def attempts(
                 raise
             received = False
             dispatched: list[bool] = []
-            attempt = _attempt(entry, current, selection, ctx, stats, loads, timeouts, dispatched)
+            attempt = _attempt(
+                entry, current, selection, ctx, stats, loads, timeouts, dispatched, failure is None
+            )
             try:
                 async for outs in attempt:
                     received = True
@@ -272,12 +290,20 @@ def _observe_ended(series: RouterRequestSeries, stats: ChoiceStats, began: float
     series.ended(ttft, itl, tokens)
 
 
-def _live(entry: ModelEntry[ModelPipeline], avoid: int | None) -> list[ModelCard]:
+def _live(
+    entry: ModelEntry[ModelPipeline],
+    avoid: int | None,
+    request: PreprocessedRequest,
+    continuation: bool,
+) -> list[ModelCard]:
     """The candidates of an attempt: the live serving workers, less the instance the last
-    attempt failed on when another is live."""
+    attempt failed on when another is live; a continuation (migration) goes where it starts
+    soonest (``placement.continuation_candidates``)."""
     live = candidates(entry)
     if avoid is not None and len(live) > 1:
         live = [c for c in live if c.instance_id != avoid] or live
+    if continuation:
+        live = continuation_candidates(entry.router, request, live, entry.streams)
     return live
 
 
@@ -290,10 +316,12 @@ async def _attempt(
     loads: list[Load],
     timeouts: Timeouts,
     dispatched: list[bool],
+    new_request: bool = True,
 ) -> AsyncGenerator[list[LLMEngineOutput], None]:
     """One attempt: stream ``request`` to the routed ``selection``, bounded by ``timeouts``
     (after a remote prefill for a disaggregated model). ``dispatched`` gets an entry once the
-    request is sent to the selected instance."""
+    request is sent to the selected instance; ``new_request``: a first attempt, not a
+    continuation (``placement.py`` counts its pending prefill)."""
     router = entry.router
     role = entry.serving_role()
     metrics = entry.pipeline.metrics if entry.pipeline is not None else None
@@ -317,6 +345,7 @@ async def _attempt(
         stats.dispatched_at = time.monotonic()
         body = _request_encoder.encode(placed(request, selection))
         dispatched.append(True)
+        load.dispatched(entry.streams, selection.instance_id, new_request)
         dispatch = _DispatchStage(metrics, role.value)
         try:
             async for outs in transport(
