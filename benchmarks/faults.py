@@ -212,33 +212,40 @@ def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list
 
 def model_floor(
     isl: int, osl: int, workers: int, concurrency: int, trials: int = 20000
-) -> tuple[float, float]:
+) -> dict[str, tuple[float, float]]:
     """(p50, p99) ms of the added gap the timing model alone gives (FACTS §6.4, the mocker's
     default pool; no CPU, no transport): a Monte Carlo of one kill. Each worker decodes
     ``concurrency / workers`` streams (D per pass) and prefills the closed loop's new arrivals
-    (P(isl) + D passes); the killed worker's streams, ``isl`` + U(0, osl) tokens long, go round
-    robin to the survivors, which batch the ones they get into one prefill pass after the pass
-    in progress; the pass the killed worker was running is lost (stall)."""
+    (P(isl) + D passes); the killed worker's streams, ``isl`` + U(0, osl) tokens long, are
+    spread evenly over the survivors (``spread``), or over the survivors not in a new request's
+    prefill pass when there is one (``avoid_prefill``: the frontend's continuation placement);
+    a survivor batches the ones it gets into one prefill pass after its pass in progress; the
+    pass the killed worker was running is lost (stall)."""
     rng = random.Random(0)
     k = max(1, concurrency // workers)
     total = MockerConfig().total_kv_tokens
     d = decode_ms(k * (isl + osl // 2), total)
     pf = prefill_ms(isl) + d
     in_prefill = min(1.0, k / (osl * d / 1000) * pf / 1000)  # share of time in such passes
-
-    def residual() -> float:  # what is left of the pass in progress at a random instant
-        return rng.uniform(0, pf) if rng.random() < in_prefill else rng.uniform(0, d)
-
-    added: list[float] = []
     survivors = max(1, workers - 1)
-    for _ in range(trials // k + 1):
-        lengths = [isl + rng.randrange(osl) for _ in range(k)]
-        stall = residual()
-        for group in (lengths[i::survivors] for i in range(survivors)):
-            if group:
-                t = residual() + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
-                added += [t] * len(group)
-    return round(pct(added, 0.5), 1), round(pct(added, 0.99), 1)
+    out: dict[str, tuple[float, float]] = {}
+    for placement in ("spread", "avoid_prefill"):
+        added: list[float] = []
+        for _ in range(trials // k + 1):
+            lengths = [isl + rng.randrange(osl) for _ in range(k)]
+            stall = rng.uniform(0, pf) if rng.random() < in_prefill else rng.uniform(0, d)
+            busy = [rng.random() < in_prefill for _ in range(survivors)]
+            targets = [i for i in range(survivors) if not busy[i]]
+            if placement == "spread" or not targets:
+                targets = list(range(survivors))
+            for j, target in enumerate(targets):
+                group = lengths[j :: len(targets)]
+                if group:
+                    left = rng.uniform(0, pf) if busy[target] else rng.uniform(0, d)
+                    t = left + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
+                    added += [t] * len(group)
+        out[placement] = (round(pct(added, 0.5), 1), round(pct(added, 0.99), 1))
+    return out
 
 
 def free_port() -> int:

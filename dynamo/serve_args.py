@@ -352,7 +352,7 @@ def plan(argv: list[str] | None = None) -> ServePlan:
         worker_options = ServeOptions.from_args(wargs)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if wargs.system_port and len(roles) > 1 and not args.in_process:
+    if wargs.system_port and len(roles) > 1:
         parser.error(
             f"--system-port {wargs.system_port} (or DYN_SYSTEM_PORT) would be the same port for"
             f" all {len(roles)} workers; use --system-port 0 (each picks a free port)"

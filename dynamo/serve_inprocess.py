@@ -39,9 +39,9 @@ def serve_in_process(serve_plan: ServePlan) -> int:
     )
     frontend_config = dataclasses.replace(serve_plan.frontend, runtime=runtime_config)
     configs = [serve_plan.worker_config(role) for role in serve_plan.roles]
-    # No status server in-process (as before): its one port would be every worker's.
-    options = dataclasses.replace(serve_plan.worker_options, system_port=None)
-    run_async(_serve(frontend_config, configs, runtime_config, options))
+    # Each worker runs its own status server, as in separate processes: a fixed --system-port
+    # with several workers is refused by the plan, port 0 gives each worker a free port.
+    run_async(_serve(frontend_config, configs, runtime_config, serve_plan.worker_options))
     return 0
 
 

@@ -25,6 +25,7 @@ import msgspec
 from dynamo.frontend.idle import IdleTimer
 from dynamo.frontend.migration import NO_MIGRATION, MigrationPolicy, is_instance_fault
 from dynamo.frontend.pipeline import ChoiceStats
+from dynamo.frontend.placement import InstanceStreams, continuation_candidates
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.model_card import ModelCard, WorkerRole
@@ -61,25 +62,39 @@ class Timeouts:
 class Load:
     """The load one routed request adds to its router, released exactly once: the prefill part at
     the first token, the whole at :meth:`free` (idempotent; the in-flight request frees whatever
-    is left when it finishes)."""
+    is left when it finishes). Once :meth:`dispatched`, the model's per-instance stream counts
+    (``placement.InstanceStreams``) follow it too."""
 
-    __slots__ = ("_router", "request_id", "prefilled", "freed")
+    __slots__ = ("_router", "request_id", "prefilled", "freed", "_streams", "_instance", "_new")
 
     def __init__(self, router: Router, request_id: str) -> None:
         self._router = router
         self.request_id = request_id
         self.prefilled = False
         self.freed = False
+        self._streams: InstanceStreams | None = None
+        self._instance = 0
+        self._new = False
+
+    def dispatched(self, streams: InstanceStreams, instance_id: int, new_request: bool) -> None:
+        """Sent to ``instance_id``; ``new_request``: a first attempt (not a continuation)."""
+        if not self.freed and self._streams is None:
+            self._streams, self._instance, self._new = streams, instance_id, new_request
+            streams.dispatched(instance_id, new_request)
 
     def first_token(self) -> None:
         if not self.prefilled and not self.freed:
             self.prefilled = True
             self._router.on_first_token(self.request_id)
+            if self._streams is not None and self._new:
+                self._streams.first_token(self._instance)
 
     def free(self) -> None:
         if not self.freed:
             self.freed = True
             self._router.on_finish(self.request_id)
+            if self._streams is not None:
+                self._streams.ended(self._instance, self._new and not self.prefilled)
 
 
 def candidates(entry: ModelEntry[ModelPipeline]) -> list[ModelCard]:
@@ -174,6 +189,8 @@ async def attempts(
                 live = candidates(entry)
                 if avoid is not None and len(live) > 1:
                     live = [c for c in live if c.instance_id != avoid] or live
+                if failure is not None:  # a continuation: where it starts soonest
+                    live = continuation_candidates(entry.router, current, live, entry.streams)
                 metrics = entry.pipeline.metrics if entry.pipeline is not None else None
                 selection = route(entry.router, current, live, metrics)
             except DynamoError:
@@ -183,7 +200,9 @@ async def attempts(
                 raise
             received = False
             dispatched: list[bool] = []
-            attempt = _attempt(entry, current, selection, ctx, stats, loads, timeouts, dispatched)
+            attempt = _attempt(
+                entry, current, selection, ctx, stats, loads, timeouts, dispatched, failure is None
+            )
             try:
                 async for outs in attempt:
                     received = True
@@ -224,10 +243,12 @@ async def _attempt(
     loads: list[Load],
     timeouts: Timeouts,
     dispatched: list[bool],
+    new_request: bool = True,
 ) -> AsyncGenerator[list[LLMEngineOutput], None]:
     """One attempt: stream ``request`` to the routed ``selection``, bounded by ``timeouts``
     (after a remote prefill for a disaggregated model). ``dispatched`` gets an entry once the
-    request is sent to the selected instance."""
+    request is sent to the selected instance; ``new_request``: a first attempt, not a
+    continuation (``placement.py`` counts its pending prefill)."""
     router = entry.router
     role = entry.serving_role()
     metrics = entry.pipeline.metrics if entry.pipeline is not None else None
@@ -251,6 +272,7 @@ async def _attempt(
         stats.dispatched_at = time.monotonic()
         body = _request_encoder.encode(placed(request, selection))
         dispatched.append(True)
+        load.dispatched(entry.streams, selection.instance_id, new_request)
         dispatch = _DispatchStage(metrics, role.value)
         try:
             async for outs in transport(

@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from dynamo.frontend.placement import InstanceStreams
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RoundRobinRouter, Router
 from dynamo.runtime.client import EndpointClient
@@ -56,6 +57,8 @@ class ModelEntry(Generic[P]):
     clients: dict[WorkerRole, EndpointClient] = field(default_factory=dict)
     routers: dict[WorkerRole, Router] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    streams: InstanceStreams = field(default_factory=InstanceStreams)
+    """This frontend's streams per serving instance (continuations are placed by them)."""
 
     def cards_of(self, role: WorkerRole) -> list[ModelCard]:
         return [c for c in self.cards.values() if c.role is role]

@@ -67,6 +67,8 @@ async def test_pytorch_worker_process(
             "1",
             "--system-port",
             "0",
+            "--system-host",
+            "127.0.0.1",
         ]
     )
     client = await runtime.client(EndpointId("dynamo", "backend", "generate"))

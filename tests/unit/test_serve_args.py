@@ -32,6 +32,7 @@ def no_children(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--workers", "0"], "--workers must be at least 1"),
         (["--model-path", "/nonexistent/model"], "no tokenizer.json"),
         (["--system-port", "9100", "--workers", "2"], "same port for all 2 workers"),
+        (["--in-process", "--system-port", "9100", "--workers", "2"], "same port for all 2"),
         (["--discovery-backend", "memory"], "invalid choice"),  # file or etcd only
         (["--request-plane", "local"], "unrecognized arguments"),  # serve wires the planes
     ],

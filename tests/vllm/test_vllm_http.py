@@ -46,6 +46,8 @@ def worker_args(model: Path) -> list[str]:
         "tiny",
         "--system-port",
         "0",
+        "--system-host",
+        "127.0.0.1",
         "--dtype",
         "float32",
         "--block-size",

@@ -21,6 +21,8 @@ def child_env(discovery_dir: str | None = None, **extra: str) -> dict[str, str]:
         if key.startswith("DYN_"):
             del env[key]
     env["PYTHONUNBUFFERED"] = "1"
+    # A worker's status server binds 0.0.0.0 by default; tests use loopback only.
+    env["DYN_SYSTEM_HOST"] = "127.0.0.1"
     if discovery_dir is not None:
         env["DYN_FILE_KV"] = discovery_dir
     env.update(extra)

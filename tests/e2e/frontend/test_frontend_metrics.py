@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import statistics
 import time
 
 import pytest
@@ -152,8 +151,10 @@ def test_keep_alive_requests_are_not_delayed_by_nagle(serve_stack: Stack) -> Non
                 times.append(time.perf_counter() - t0)
                 assert resp.status == 200, data
             times.sort()
-            # on a quiet machine each takes ~3 ms; the margin is for a loaded CI machine
-            assert statistics.median(times) < 0.020, (stream, times)
-            assert times[39] < 0.030, (stream, times)  # 80% under 30 ms
+            # With Nagle on, EVERY response waits for the client's delayed ACK (>= 40 ms on
+            # Linux), so even the fastest requests would take 40 ms. On a quiet machine each
+            # takes ~3 ms; a loaded CI machine stretches many of them, so only the fastest fifth
+            # is held under the delayed-ACK floor (a timing bound that load alone cannot break).
+            assert times[9] < 0.035, (stream, times)
     finally:
         conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -83,13 +84,24 @@ def test_dynamo_serve_in_process_serves_and_stops_on_sigint() -> None:
     port = free_port()
     serve = Child(
         ["-m", "dynamo.serve", "--in-process", "--http-host", "127.0.0.1"]
-        + ["--http-port", str(port), "--workers", "2", "--speedup-ratio", "0"],
+        + ["--http-port", str(port), "--workers", "2", "--speedup-ratio", "0"]
+        + ["--system-port", "0"],
         child_env(),
     )
     try:
         serve.wait_for(f"http://127.0.0.1:{port}")
         wait_http(port, "/health")
         chat_ok(port)
+        # --system-port 0: each in-process worker runs its own status server on a free port.
+        status_ports = {
+            int(m.group(1))
+            for line in serve.lines
+            if (m := re.search(r"status server listening on 127\.0\.0\.1:(\d+)", line))
+        }
+        assert len(status_ports) == 2, serve.tail()
+        for status_port in status_ports:
+            status, _, raw = request(status_port, "GET", "/health")
+            assert status == 200 and json.loads(raw)["status"] == "ready", raw
         body = {"model": "demo", "prompt": "Once", "max_tokens": 4, "stream": True}
         status, _, raw = request(port, "POST", "/v1/completions", body)
         assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw

@@ -164,22 +164,27 @@ def test_cpu_meter_reads_proc() -> None:
     mine = process_cpu_seconds(os.getpid())
     assert mine is not None and mine > 0
     assert process_cpu_seconds(2**22 + 12345) is None
+    meter = CpuMeter([os.getpid()])
+    meter.check()
+    meter.start()
+    # A child born after start() spends 0.3 s of CPU, says so, then idles: the meter must count
+    # it for its parent's tree. Waiting for its line (not a fixed sleep) keeps this true on a
+    # starved machine, where 0.3 s of CPU can take many seconds of wall time.
     child = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import time\nt = time.process_time()\n"
-            "while time.process_time() - t < 0.3: pass\ntime.sleep(5)",
-        ]
+            "while time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
         assert child.pid in descendants(os.getpid())
-        meter = CpuMeter([os.getpid()])
-        meter.check()
-        meter.start()
-        time.sleep(0.6)
         used = meter.stop()[os.getpid()]
-        assert 0.1 < used < 5  # the busy child counts for its parent's tree
+        assert 0.3 <= used < 30
     finally:
         child.kill()
         child.wait()
