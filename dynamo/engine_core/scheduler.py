@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from xxhash import xxh3_64_intdigest
+
 from dynamo.engine_core.config import SchedulerLimits
 from dynamo.engine_core.kv_manager import KVManager
+from dynamo.engine_core.pass_kernels import advance
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
@@ -304,31 +307,25 @@ class Scheduler:
         """Apply a pass the engine ran: advance every entry, store the blocks it filled, append
         the token of each sampling entry (``sampled[i]`` for ``batch.entries[i]``; ``None``
         for entries that do not sample) and retire the finished."""
-        out = UpdateResult()
-        bs, caching = self.config.block_size, self.config.enable_prefix_caching
-        tokens_out, finished = out.tokens, out.finished
-        running_status = SequenceStatus.RUNNING
-        for (seq, n), token in zip(batch.entries, sampled, strict=True):
-            if seq.status is not running_status:
-                continue  # aborted while the pass ran
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
-            if caching and seq.unique_blocks and computed >= (len(seq.full_blocks) + 1) * bs:
-                self._promote_filled(seq)
-            if computed < len(seq.tokens):
-                continue  # a prefill chunk that has not reached the end
-            if token is None:
-                raise ValueError(f"no token sampled for {seq.request_id!r}")
-            seq.append_token(token)
-            tokens_out.append((seq, token))
-            reason = seq.finish_after(token)
-            if reason is not None:
-                seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
-                finished.append(seq)
+        tokens, finished = advance(
+            batch.entries,
+            sampled,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            SequenceStatus.RUNNING,
+            SequenceStatus.FINISHED,
+            FinishReason.LENGTH,
+            FinishReason.STOP,
+            self._promote_filled,
+            xxh3_64_intdigest,  # router.hashing's block hash (FACTS §1), for completed blocks
+        )
+        out = UpdateResult(tokens, finished)
         if finished:
             for seq in finished:
                 self._free(seq)
                 del self._requests[seq.request_id]
-            self._running = [s for s in self._running if s.status is running_status]
+            running = SequenceStatus.RUNNING
+            self._running = [s for s in self._running if s.status is running]
         out.events = self.kv.drain_events()
         return out
 

@@ -233,6 +233,10 @@ class MockerEngine(LLMEngine):
         own cost (step(), delivery, sleep overshoot) then never adds to the modelled time."""
         sched = rank.scheduler
         previous_end: float | None = None  # end of the last pass while busy (None: idle)
+        # Tokens leave before the loop publishes KV events and load and plans the next pass
+        # (on a real clock only: on a virtual one nothing leaves sooner, and a yield there
+        # would let another rank's wake-up fire before this rank registered its next pass).
+        send_first = isinstance(self.clock, RealClock)
         try:
             await self._publish_load(rank)  # routers learn the capacity before any request
             while True:
@@ -261,6 +265,8 @@ class MockerEngine(LLMEngine):
                         await asyncio.sleep(0)
                         rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 self._deliver(rank, out)
+                if send_first and out.duration > 0:  # (speedup 0 coalesces on purpose)
+                    await _let_tokens_leave()
                 await self._publish(rank, out)
         except asyncio.CancelledError:
             raise
@@ -413,6 +419,14 @@ class MockerEngine(LLMEngine):
     def check_invariants(self) -> None:
         for rank in self._ranks:
             rank.scheduler.check_invariants()
+
+
+async def _let_tokens_leave() -> None:
+    """Two turns of the event loop: in the first the woken consumers encode their outputs and
+    queue them on their connections, in the second the connections write them (a request-plane
+    connection flushes what one loop iteration queued at the end of it, ``tcp_connection.py``)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:

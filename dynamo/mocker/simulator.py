@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dynamo.engine_core.pass_kernels import sample_tokens
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence
 from dynamo.mocker.config import MockerConfig
@@ -73,12 +74,6 @@ class MockerScheduler(Scheduler):
         return out
 
 
-_LCG_MUL = 6364136223846793005  # Knuth's MMIX 64-bit LCG: cheap, plenty for mock ids
-_LCG_INC = 1442695040888963407
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-
-
 class TokenSampler:
     """Random output ids from ``[0, vocab_size)`` that are never in ``excluded`` (special ids).
 
@@ -101,24 +96,4 @@ class TokenSampler:
         the end of its known tokens: ``ScheduledBatch.samples``), None for the others. One call
         per pass: this runs for every output token. Rejection sampling (an LCG walk from the
         mixed state): special ids are few, so this almost never loops."""
-        vocab, excluded = self._vocab_size, self._excluded
-        out: list[int | None] = []
-        append = out.append
-        for seq, n in entries:
-            position = len(seq.tokens)
-            if seq.num_computed_tokens + n < position:
-                append(None)
-                continue
-            # SplitMix64's finalizer: a well-spread 64-bit state from (seed, position)
-            z = (seq.rng_state + _GOLDEN * (position + 1)) & _MASK64
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-            state = z ^ (z >> 31)
-            banned = seq.banned_token_ids
-            while True:
-                token = ((state >> 32) * vocab) >> 32
-                if token not in excluded and token not in banned:
-                    break
-                state = (state * _LCG_MUL + _LCG_INC) & _MASK64
-            append(token)
-        return out
+        return sample_tokens(entries, self._vocab_size, self._excluded)

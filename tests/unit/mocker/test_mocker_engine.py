@@ -214,6 +214,25 @@ async def test_dp_rank_hint_and_sinks() -> None:
         await engine.cleanup()
 
 
+async def test_timed_pass_hands_out_tokens_before_publishing() -> None:
+    """On a real clock a pass's tokens reach their consumers before the step loop publishes
+    the pass's KV events (and plans the next pass): the first token is not held behind them."""
+    order: list[str] = []
+
+    async def kv_sink(batch: KVEventBatch) -> None:
+        order.append("kv")
+
+    engine = await started(MockerConfig(speedup_ratio=1000.0, block_size=16), kv_event_sink=kv_sink)
+    try:
+        async for out in engine.generate(make_request(40, 3), Context()):
+            if out.token_ids and "token" not in order:
+                order.append("token")
+        assert "kv" in order  # the prefill pass stored two blocks
+        assert order.index("token") < order.index("kv"), order
+    finally:
+        await engine.cleanup()
+
+
 async def test_prefill_worker_returns_one_token_and_a_handoff() -> None:
     engine = await started(fast(disaggregation_mode="prefill", data_parallel_size=2))
     try:
