@@ -63,6 +63,7 @@ class RouterQueue:
         self._core = router.core
         self.policy = QueuePolicy(settings.queue_policy)
         self.pending: PendingQueue[Waiter] = PendingQueue(self.policy, settings.queue_max_requests)
+        self._draining = False
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -88,10 +89,16 @@ class RouterQueue:
         return waiter
 
     def drain(self) -> int:
-        """Route the front requests while their workers have capacity; returns how many."""
-        if not len(self.pending):
+        """Route the front requests while their workers have capacity; returns how many.
+        Not re-entered: a release that adds a worker (``select`` meets an unknown card) asks
+        for a drain the running one already does."""
+        if not len(self.pending) or self._draining:
             return 0
-        return self.pending.drain(self._ready, self._release)
+        self._draining = True
+        try:
+            return self.pending.drain(self._ready, self._release)
+        finally:
+            self._draining = False
 
     async def wait(self, waiter: Waiter, ctx: Context, timeout_s: float) -> Selection:
         """The held request's selection (its load counted), once released. Raises

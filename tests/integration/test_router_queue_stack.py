@@ -84,6 +84,10 @@ async def test_held_requests_are_served_in_policy_order_and_the_gauge_follows(
     metrics = (await client.get("/metrics")).text
     assert _pending(metrics) == {"agg": 0.0}
     assert "dynamo_component_router_requests_started_total{" in metrics  # there from the start
+    registered = re.findall(
+        r"^dynamo_component_router_worker_registered\{[^}]*\} (\S+)$", metrics, re.M
+    )
+    assert registered == ["1.0"]  # the one worker's one rank
 
     blocker = asyncio.ensure_future(_first_chunk_at(stack, "blocker", 1000))
     async with asyncio.timeout(10):  # the blocker is routed: its prefill saturates the worker

@@ -300,3 +300,25 @@ def test_settings_refuse_bad_queue_flags() -> None:
         KVRouterSettings(queue_policy="sjf")
     with pytest.raises(ValueError):
         KVRouterSettings(queue_max_requests=0)
+
+
+def test_flags_reach_the_frontend_through_dynamo_serve_and_have_env_twins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dynamo.frontend.config import FrontendConfig
+    from dynamo.serve_args import plan
+
+    p = plan(
+        ["--router-mode", "kv", "--router-queue-threshold", "0.5"]
+        + ["--router-queue-policy", "wspt", "--router-queue-max-requests", "10"]
+    )
+    assert "--router-queue-threshold=0.5" in p.frontend_argv
+    kv = p.frontend.kv
+    assert (kv.queue_threshold, kv.queue_policy, kv.queue_max_requests) == (0.5, "wspt", 10)
+    monkeypatch.setenv("DYN_ROUTER_QUEUE_THRESHOLD", "0.25")
+    monkeypatch.setenv("DYN_ROUTER_QUEUE_POLICY", "lcfs")
+    monkeypatch.setenv("DYN_ROUTER_QUEUE_MAX_REQUESTS", "3")
+    kv = plan(["--router-mode", "kv"]).frontend.kv
+    assert (kv.queue_threshold, kv.queue_policy, kv.queue_max_requests) == (0.25, "lcfs", 3)
+    with pytest.raises(ValueError, match="router-mode kv"):  # a queue only the KV router has
+        FrontendConfig(router_mode="round-robin", kv=KVRouterSettings(queue_threshold=0.5))
