@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.router.kv_router import KVRouter
 from tests.integration.conftest import Stack, kv_settings
 
@@ -174,3 +175,28 @@ async def test_a_client_that_disconnects_while_held_leaves_the_queue(stack: Stac
     assert _pending((await client.get("/metrics")).text) == {"agg": 0.0}
     later = await _first_chunk_at(stack, "later", 60)  # the worker serves on
     assert later > 0
+
+
+async def test_a_remote_prefill_waits_in_the_prefill_routers_queue(stack: Stack) -> None:
+    """Disaggregated: the prefill workers' router holds a remote prefill while they are
+    saturated; the decode workers' router has no queue (no prefill load there)."""
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "decode")
+    client = await stack.start_frontend(router_mode="kv", kv=kv_settings(queue_threshold=0.0))
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    async with asyncio.timeout(10):
+        while not entry.live_instance_ids(WorkerRole.PREFILL):
+            await asyncio.sleep(0.02)
+    prefill, decode = entry.routers[WorkerRole.PREFILL], entry.routers[WorkerRole.DECODE]
+    assert isinstance(prefill, KVRouter) and isinstance(decode, KVRouter)
+    assert prefill.queue is not None and decode.queue is None
+    _saturate(prefill)
+    remote = asyncio.ensure_future(_first_chunk_at(stack, "remote", 1200))  # past 1000 tokens
+    await _held(prefill.queue, 1)
+    assert _pending((await client.get("/metrics")).text) == {"prefill": 1.0}
+    _release(prefill)
+    await asyncio.wait_for(remote, 30)
+    prefill.on_finish(PHANTOM)
+    assert _pending((await client.get("/metrics")).text) == {"prefill": 0.0}
