@@ -287,7 +287,7 @@ def _observe_ended(series: RouterRequestSeries, stats: ChoiceStats, began: float
     first, last, tokens = stats.first_token_at, stats.last_token_at, stats.completion_tokens
     ttft = first - began if first is not None else None
     itl = (last - first) / (tokens - 1) if first is not None and last and tokens > 1 else None
-    series.ended(ttft, itl, tokens)
+    series.ended(ttft, itl, tokens, stats.cached_tokens)
 
 
 def _live(

@@ -42,8 +42,8 @@ from dynamo.router.consistency import RankConsistency, drift_blocks
 from dynamo.router.core import RoutingCore, WorkerSpec
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
-from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
-from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp, apply_sync_event
+from dynamo.router.sequences import ActiveSequences
 from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
@@ -165,6 +165,8 @@ class KVRouter:
             await self._sync.start()
 
     async def close(self) -> None:
+        for worker_id in list(self._workers):  # the model retired: its ranks are unregistered
+            self.remove_worker(worker_id)
         tasks = list(self._tasks)
         if self._events_task is not None:
             tasks.append(self._events_task)
@@ -235,8 +237,13 @@ class KVRouter:
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )
-        if self.series is not None:
-            self.series.routed(isl, chosen.cached_tokens / isl if isl else 0.0)
+        if self.series is not None:  # a pinned request had no choice: it loses no overlap
+            pinned = hints is not None and (hints.backend_instance_id, hints.dp_rank) != (
+                None,
+                None,
+            )
+            among = None if pinned else [overlaps.get(key, 0) for key in chosen.costs]
+            self.series.routed(isl, chosen.overlap_blocks, self.block_size, among)
         return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 
     def on_first_token(self, request_id: str) -> None:
@@ -269,6 +276,9 @@ class KVRouter:
             card.max_num_batched_tokens,
         )
         self.core.add_worker(spec)
+        if self.series is not None:
+            for rank in spec.ranks:
+                self.series.worker_registered(worker_id, rank, True)
         if self.indexer is not None and self._recovery is not None:
             stored = self._history.pop(worker_id, None) if self._history is not None else None
             for event in stored or ():
@@ -303,9 +313,16 @@ class KVRouter:
 
     def remove_worker(self, instance_id: int) -> None:
         """Forget a departed worker: its index and load."""
-        if self._workers.pop(instance_id, None) is None:
+        card = self._workers.pop(instance_id, None)
+        if card is None:
             return
         self.core.remove_worker(instance_id)
+        if self.series is not None:
+            for rank in range(
+                card.data_parallel_start_rank,
+                card.data_parallel_start_rank + card.data_parallel_size,
+            ):
+                self.series.worker_registered(instance_id, rank, False)
         if self.queue is not None:
             self.queue.drain()  # a saturated worker gone: the others may take the front
         for key in [k for k in self.consistency if k[0] == instance_id]:
@@ -461,22 +478,7 @@ class KVRouter:
 
     # -- replica sync --------------------------------------------------------------------------
     def _apply_sync(self, event: SyncEvent) -> None:
-        if event.op is SyncOp.ADD:
-            try:
-                self.sequences.add_request(
-                    event.request_id,
-                    event.worker_id,
-                    event.dp_rank,
-                    event.sequence_hashes,
-                    new_isl_tokens=event.isl_tokens,
-                    overlap_blocks=event.overlap_blocks,
-                )
-            except (DuplicateRequest, UnknownWorkerRank):
-                pass
-        elif event.op is SyncOp.PREFILL_COMPLETED:
-            self.sequences.mark_prefill_completed(event.request_id)
-        else:
-            self.sequences.free(event.request_id)
+        apply_sync_event(self.sequences, event)
         if self.queue is not None and event.op is not SyncOp.ADD:
             self.queue.drain()  # another router's request left our workers' load
 
