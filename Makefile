@@ -35,7 +35,8 @@ test: lint servers chromium
 # The suites that use the C extensions, again with their pure-Python fallbacks forced
 # (DYN_NATIVE=0, see dynamo/native.py): the package must work where they cannot be built.
 FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
-	tests/unit/runtime/test_http_server_write_behind.py tests/unit/slot_tracker \
+	tests/unit/runtime/test_http_server_write_behind.py tests/unit/runtime/test_http_server_limits.py \
+	tests/unit/slot_tracker \
 	tests/integration/test_kv_routing.py tests/e2e/test_slot_tracker_api.py \
 	tests/e2e/test_slot_tracker_replicas.py tests/unit/pytorch/test_attention.py \
 	tests/unit/engine_core tests/unit/mocker/test_scheduler.py

@@ -7,6 +7,12 @@ Handlers are synchronous and run inside the protocol callback: a request costs n
 thread hop and no copy beyond the body. With a trivial handler on the 2-core CI VM this served
 ~3.5x the requests/s of granian's RSGI interface (about 70k vs 20k req/s, wrk, 16 connections).
 
+Plain requests take the native path (``_http.c``, when built and ``DYN_NATIVE`` allows): one C
+call per read parses them, calls the app (or its ``fast_routes``) and renders the answers. The
+rest of a read, from the first request that is not plain (chunked, Expect, HEAD, oversized,
+malformed, incomplete...), goes to httptools, which keeps every limit and error answer; the
+connection returns to the native path once httptools has finished that request.
+
 ``write_behind=True`` hands every response to a native write-behind thread
 (``dynamo.runtime.sender``, imported only then): each connection's socket is dup'ed and
 written there without the GIL, so the kernel's send path (on loopback it also runs the
@@ -21,38 +27,30 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 
+from dynamo import native
 from dynamo.runtime.http_limits import HttpLimits
+from dynamo.runtime.http_render import JSON_TYPE, PREFIXES, render, render_keep_alive
 from dynamo.runtime.write_behind import WriteBehind
+
+if TYPE_CHECKING:
+    from dynamo.runtime._http import Dispatcher
 
 log = logging.getLogger(__name__)
 _now = time.monotonic
+_native_http = native.load_optional("dynamo.runtime._http")
+"""The native request path (``_http.c``), or None: then httptools parses every request."""
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # Axum's default JSON body limit
-_REASONS = {
-    100: b"100 Continue",
-    200: b"200 OK",
-    201: b"201 Created",
-    400: b"400 Bad Request",
-    404: b"404 Not Found",
-    405: b"405 Method Not Allowed",
-    408: b"408 Request Timeout",
-    409: b"409 Conflict",
-    413: b"413 Payload Too Large",
-    415: b"415 Unsupported Media Type",
-    422: b"422 Unprocessable Entity",
-    431: b"431 Request Header Fields Too Large",
-    500: b"500 Internal Server Error",
-    503: b"503 Service Unavailable",
-}
 _TOO_LARGE = b'{"error":"Failed to buffer the request body: length limit exceeded"}'
 _MALFORMED = b'{"error":"malformed HTTP request"}'
 _HEADERS_TOO_LARGE = b'{"error":"request headers too large"}'
 _TIMED_OUT = b'{"error":"request not received in time"}'
 _BUSY = b'{"error":"too many connections"}'
+_INTERNAL = b'{"error":"internal error"}'
 # A connection's state, for the timeout sweep: between requests, in the headers, in the body.
 _IDLE, _HEAD, _BODY = 0, 1, 2
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -67,6 +65,9 @@ class App(Protocol):
     ``handle(method, path, query, content_type, body)`` returns ``(status, body)``: a JSON body
     (sent as application/json) or ``b""`` (no content), or ``(status, body, content_type)`` for
     another media type. ``HEAD`` is passed as ``GET``; the server drops the body. Must not raise.
+
+    An app may also have ``fast_routes`` (see ``FastRoutes``): the native request path tries
+    them first for a POST whose body was sent as exactly ``application/json``.
     """
 
     def handle(
@@ -74,37 +75,26 @@ class App(Protocol):
     ) -> tuple[int, bytes] | tuple[int, bytes, bytes]: ...
 
 
+FastRoutes = dict[bytes, Callable[[bytes], bytes | None]]
+"""POST path -> ``route(body)``: the 200 JSON answer, or None to let ``App.handle`` answer (an
+error, or anything the route does not take). Must not raise; used only by the native path, so
+``handle`` must answer the same requests identically."""
+
+
+def native_path(app: App, limits: HttpLimits, max_body_bytes: int) -> Dispatcher | None:
+    """The native request path for ``app`` (shared by a server's connections), or None when
+    ``_http`` is not built or ``DYN_NATIVE`` is off."""
+    if _native_http is None:
+        return None
+    routes: FastRoutes = dict(getattr(app, "fast_routes", None) or {})
+    dispatcher: Dispatcher = _native_http.Dispatcher(
+        app.handle, render_keep_alive, PREFIXES, routes, limits.max_header_bytes, max_body_bytes
+    )
+    return dispatcher
+
+
 class _Abort(Exception):
     """Raised from a parser callback to stop parsing a connection's input."""
-
-
-_JSON_TYPE = b"application/json"
-_PREFIX = {
-    status: b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: " % reason
-    for status, reason in _REASONS.items()
-}
-
-
-def render(
-    status: int,
-    body: bytes,
-    *,
-    close: bool = False,
-    head: bool = False,
-    content_type: bytes = _JSON_TYPE,
-) -> bytes:
-    """One HTTP/1.1 response (keep-alive JSON answers take ``_PREFIX`` in the protocol)."""
-    reason = _REASONS.get(status) or b"%d Status" % status
-    conn = b"connection: close\r\n" if close else b""
-    if not body:
-        return b"HTTP/1.1 %s\r\n%scontent-length: 0\r\n\r\n" % (reason, conn)
-    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
-        reason,
-        content_type,
-        conn,
-        len(body),
-        b"" if head else body,
-    )
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -113,6 +103,7 @@ class HttpProtocol(asyncio.Protocol):
     __slots__ = (
         "_accepting",
         "_app",
+        "_native",
         "_limit",
         "_limit_digits",
         "_connections",
@@ -141,8 +132,10 @@ class HttpProtocol(asyncio.Protocol):
         write_behind: WriteBehind | None = None,
         accepting: Callable[[], bool] | None = None,
         limits: HttpLimits | None = None,
+        native_path: Dispatcher | None = None,
     ) -> None:
         limits = limits or HttpLimits()
+        self._native = native_path  # an _http.Dispatcher, or None
         self._max_header_bytes = limits.max_header_bytes
         self._max_connections = limits.max_connections
         self._head_bytes = 0
@@ -206,9 +199,33 @@ class HttpProtocol(asyncio.Protocol):
         elif self._transport is not None:
             self._transport.write(data)
 
+    def _send(self, data: bytes) -> None:
+        """``_write`` for answers: the sender is flushed once per loop iteration, not per call."""
+        write_behind = self._write_behind
+        if write_behind is not None and self._fd >= 0:
+            write_behind.sender_send(self._fd, data)
+            if not write_behind.scheduled:
+                write_behind.schedule_flush()
+        elif self._transport is not None:
+            self._transport.write(data)
+
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        dispatcher = self._native
+        if dispatcher is not None and self.state == _IDLE:  # httptools holds no partial request
+            out, used, error = dispatcher.feed(data)
+            if out is not None:
+                self._send(out)
+            if error is not None:
+                log.error("HTTP handler failed", exc_info=error)
+                self._fail(500, _INTERNAL)
+                return
+            if used:
+                self.since = _now()
+                if used == len(data):
+                    return
+                data = data[used:]
         if self.state == _IDLE:
             self.state = _HEAD
             self.since = _now()
@@ -219,7 +236,7 @@ class HttpProtocol(asyncio.Protocol):
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Abort):
                 log.exception("HTTP callback failed")
-                self._fail(500, b'{"error":"internal error"}')
+                self._fail(500, _INTERNAL)
         except httptools.HttpParserUpgrade:
             self._fail(400, b'{"error":"protocol upgrades are not supported"}')
         except httptools.HttpParserError:
@@ -268,6 +285,12 @@ class HttpProtocol(asyncio.Protocol):
             transport.close()
 
     # ------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        # Marks httptools as holding a partial request: the native path waits until it ends.
+        if self.state == _IDLE:
+            self.state = _HEAD
+            self.since = _now()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -332,19 +355,13 @@ class HttpProtocol(asyncio.Protocol):
         result = self._app.handle(b"GET" if head else method, path, query, content_type, body)
         keep_alive = parser.should_keep_alive()
         status, payload = result[0], result[1]
-        if keep_alive and payload and not head and len(result) == 2 and status in _PREFIX:
+        if keep_alive and payload and not head and len(result) == 2 and status in PREFIXES:
             # The hot path, keep-alive JSON: a pre-rendered head and one format.
-            data = b"%s%d\r\n\r\n%s" % (_PREFIX[status], len(payload), payload)
+            data = b"%s%d\r\n\r\n%s" % (PREFIXES[status], len(payload), payload)
         else:
-            media_type = result[2] if len(result) == 3 else _JSON_TYPE
+            media_type = result[2] if len(result) == 3 else JSON_TYPE
             data = render(status, payload, close=not keep_alive, head=head, content_type=media_type)
-        write_behind = self._write_behind
-        if write_behind is not None and self._fd >= 0:
-            write_behind.sender_send(self._fd, data)
-            if not write_behind.scheduled:
-                write_behind.schedule_flush()
-        else:
-            transport.write(data)
+        self._send(data)
         if not keep_alive:
             self.close()
             raise _Abort
@@ -375,6 +392,7 @@ class HttpServer:
     ) -> None:
         self.limits = limits or HttpLimits()
         self._sweeper: asyncio.TimerHandle | None = None
+        self._native_path = native_path(app, self.limits, max_body_bytes)
         if busy_poll_s < 0 or (busy_poll_s and not write_behind):
             raise ValueError("busy_poll_s must be >= 0 and needs write_behind")
         self._busy_poll_s = busy_poll_s
@@ -418,6 +436,7 @@ class HttpServer:
                     write_behind,
                     self._is_serving,
                     self.limits,
+                    self._native_path,
                 ),
                 self._host,
                 self._port,
