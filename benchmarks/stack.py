@@ -46,10 +46,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from launcher import MODEL, PLANES, REPO, Child, free_port, service_env, wait_model
+# As a script or as ``python -m benchmarks.stack`` (the command docs/performance.md records).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dynamo.bench import BenchConfig, run_benchmark
-from dynamo.bench.__main__ import run_loop
+from launcher import (  # noqa: E402
+    MODEL,
+    PLANES,
+    REPO,
+    Child,
+    free_port,
+    service_env,
+    wait_model,
+)
+
+from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
+from dynamo.bench.__main__ import run_loop  # noqa: E402
 
 GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
