@@ -33,7 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from launcher import cpu_seconds, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
+
+from launcher import cpu_seconds, free_port  # noqa: E402
 
 MODEL = "bench"
 GROUPS = 8  # prefix groups; each request shares a 16-block prefix with its group

@@ -5,7 +5,8 @@ only a live process has: KV event batches from the event plane, recovery of a wo
 index after a gap or when a worker joins, replica sync with other routers, and metrics.
 
 Background tasks (owned here, cancelled by :meth:`close`): applying KV event batches, recovering a
-worker rank's index, and replica sync. Workers join and leave through
+worker rank's index, the cache-consistency check, watching which workers lack their KV query
+endpoint (``event_sources.py``), and replica sync. Workers join and leave through
 :meth:`KVRouter.add_worker` / :meth:`KVRouter.remove_worker`, called by the frontend's model
 registry from its discovery watch.
 """
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 
 import msgspec
 
@@ -40,6 +41,7 @@ from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.consistency import RankConsistency, drift_blocks
 from dynamo.router.core import RoutingCore, WorkerSpec
+from dynamo.router.event_sources import EventSourceMonitor
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp, apply_sync_event
@@ -97,6 +99,8 @@ class KVRouter:
         self._history: dict[int, list[KVCacheEvent]] | None = None
         self.consistency: dict[tuple[int, int], RankConsistency] = {}
         """The latest cache-consistency check per worker rank (``check_consistency``)."""
+        self.event_sources = EventSourceMonitor(model)
+        """Which workers lack their KV query endpoint (watched while KV events are followed)."""
         self.queue: RouterQueue | None = (
             RouterQueue(self) if settings.queue_threshold is not None else None
         )
@@ -148,11 +152,10 @@ class KVRouter:
                 self._follow_events(), name=f"kv-router-events:{self.model}"
             )
             if self.settings.consistency_check_interval_s > 0:
-                task = asyncio.create_task(
-                    self._check_loop(), name=f"kv-router-consistency:{self.model}"
-                )
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._check_loop(), f"kv-router-consistency:{self.model}")
+            publish = self.series.event_source_mismatches if self.series is not None else None
+            watch = self.event_sources.watch(self._workers, self._recovery.instance_ids, publish)
+            self._spawn(watch, f"kv-router-event-sources:{self.model}")
         if self.settings.replica_sync:
             on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
             self._sync = RouterReplicaSync(
@@ -359,9 +362,10 @@ class KVRouter:
                     applied.labels(status.value, _EVENT_TYPE[type(event.data)]).inc()
 
     def _spawn_recovery(self, worker_id: int, rank: int) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._recover(worker_id, rank), name=f"kv-recovery:{worker_id:x}:{rank}"
-        )
+        self._spawn(self._recover(worker_id, rank), f"kv-recovery:{worker_id:x}:{rank}")
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

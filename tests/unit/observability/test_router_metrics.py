@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
-from dynamo.observability.router_metrics import RouterQueueGauges, RouterRequestMetrics
+from dynamo.observability.router_metrics import (
+    RouterQueueGauges,
+    RouterRequestMetrics,
+    kv_transfer_bound,
+)
 
 LABELS = {
     "dynamo_namespace": "ns",
@@ -20,7 +25,7 @@ def _value(registry: CollectorRegistry, name: str, **extra: str) -> float | None
 
 def test_series_read_zero_from_their_router_creation_and_count_decisions() -> None:
     registry = CollectorRegistry()
-    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "agg")
+    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "agg", "demo")
     assert _value(registry, "dynamo_component_router_requests_started_total") == 0.0
     assert _value(registry, "dynamo_component_router_requests_total") == 0.0
     # chosen rank holds 2 blocks of 16 where another eligible rank held 5: 3 blocks given up
@@ -44,13 +49,48 @@ def test_series_read_zero_from_their_router_creation_and_count_decisions() -> No
 
 def test_worker_registered_follows_the_ranks() -> None:
     registry = CollectorRegistry()
-    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "prefill")
+    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "prefill", "demo")
     rank = {"router_worker_id": "7", "dp_rank": "1", "worker_type": "prefill"}
     series.worker_registered(7, 1, True)
     assert _value(registry, "dynamo_component_router_worker_registered", **rank) == 1.0
     series.worker_registered(7, 1, False)
     series.worker_registered(7, 1, False)  # idempotent
     assert _value(registry, "dynamo_component_router_worker_registered", **rank) is None
+
+
+def test_kv_transfer_bound_is_the_handoff_to_first_token_time_of_remote_prefills() -> None:
+    registry = CollectorRegistry()
+    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "decode", "demo")
+    name = "dynamo_component_router_kv_transfer_estimated_latency_seconds"
+    assert _value(registry, f"{name}_count") == 0.0
+    # handoff at t=10.000 s, decode worker's first token at t=10.040 s: at most 40 ms
+    assert kv_transfer_bound(10.0, 10.04) == pytest.approx(0.04)
+    assert kv_transfer_bound(None, 10.04) is None  # prefilled locally
+    assert kv_transfer_bound(10.0, None) is None  # no first token
+    assert kv_transfer_bound(10.0, 9.99) == 0.0  # never negative
+    series.ended(0.3, 0.01, 8, 0, kv_transfer_bound(10.0, 10.04))
+    series.ended(0.1, 0.01, 8, 0, kv_transfer_bound(None, 20.0))
+    assert _value(registry, f"{name}_count") == 1.0
+    assert _value(registry, f"{name}_sum") == pytest.approx(0.04)
+    # the reference's buckets, log(0.001, 10, 15): 0.04 falls between 0.027 and 0.052
+    assert _value(registry, f"{name}_bucket", le="0.027") == 0.0
+    assert _value(registry, f"{name}_bucket", le="0.052") == 1.0
+
+
+def test_event_source_mismatches_carry_the_references_labels() -> None:
+    registry = CollectorRegistry()
+    series = RouterRequestMetrics(registry, 42).bind("ns", "backend", "generate", "decode", "demo")
+    name = "dynamo_component_router_kv_event_source_mismatch_workers"
+    target = {
+        "model": "demo",
+        "worker_type": "decode",
+        "target_namespace": "ns",
+        "target_component": "backend",
+        "target_endpoint": "generate",
+    }
+    assert _value(registry, name, **target) == 0.0
+    series.event_source_mismatches(2)
+    assert _value(registry, name, **target) == 2.0
 
 
 def test_queue_gauges_sum_the_routers_of_a_worker_type() -> None:
