@@ -26,6 +26,7 @@ from dynamo.observability.tracing import setup_tracing
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.heap import settle_after_start
+from dynamo.runtime.huge_pages import back_heap_with_huge_pages
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
@@ -191,5 +192,6 @@ def serve_engine(
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     settle_after_start()  # the engine is built: what it allocated stays
+    back_heap_with_huge_pages()  # cheap to tear down: a SIGKILL is seen sooner
     run_async(worker.run())
     return 0

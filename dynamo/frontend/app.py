@@ -39,11 +39,13 @@ from dynamo.frontend.overflow import OverflowRefuser
 from dynamo.frontend.pipeline import ModelPipeline
 from dynamo.frontend.routes import Routes
 from dynamo.observability.metrics import FrontendMetrics, RouterMetrics, WorkerLoadGauges
+from dynamo.observability.router_metrics import RouterQueueGauges, RouterRequestMetrics
 from dynamo.preprocess import Preprocessor, load_model_dir
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.router.basic import RandomRouter, RoundRobinRouter, Router
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
+from dynamo.router.queue import DEFAULT_POLICY_CLASS
 from dynamo.runtime.http_limits import raise_fd_limit
 from dynamo.runtime.naming import new_instance_id
 from dynamo.runtime.published_files import fetch_files
@@ -182,6 +184,10 @@ class FrontendService:
         self.metrics = FrontendMetrics(config.metrics_prefix)
         self.router_metrics = RouterMetrics(self.metrics.registry, router_id=new_instance_id())
         WorkerLoadGauges(self.metrics.prefix, self.metrics.registry, self._worker_loads)
+        self.router_requests = RouterRequestMetrics(
+            self.metrics.registry, self.router_metrics.router_id
+        )
+        RouterQueueGauges(self.metrics.prefix, self.metrics.registry, self._queue_depths)
         self.migration = MigrationPolicy(
             config.migration_limit, config.migration_max_seq_len, self.metrics
         )
@@ -261,6 +267,23 @@ class FrontendService:
                         seqs.active_prefill_tokens(worker_id, dp_rank),
                     )
 
+    def _queue_depths(self) -> Iterator[tuple[str, str, int, int, int, int]]:
+        """Each KV router's queue (the ``router_queue_*`` families)."""
+        for entry in self.registry.models():
+            for role, router in list(entry.routers.items()):
+                queue = router.queue if isinstance(router, KVRouter) else None
+                if queue is None:
+                    continue
+                pending = queue.pending
+                yield (
+                    role.value,
+                    DEFAULT_POLICY_CLASS,
+                    len(pending),
+                    pending.isl_tokens,
+                    pending.cached_tokens,
+                    pending.rejected,
+                )
+
     async def _make_router(self, card: ModelCard) -> Router:
         """A router for the workers of ``card``'s role (the registry closes it on retirement)."""
         mode = self.config.router_mode
@@ -268,7 +291,8 @@ class FrontendService:
             return RandomRouter()
         if mode == "kv":
             settings = role_settings(self.config.kv, card.role)
-            return await KVRouter.create(self.runtime, card, settings, self.router_metrics)
+            series = self.router_requests.bind(card.namespace, card.component, card.endpoint)
+            return await KVRouter.create(self.runtime, card, settings, self.router_metrics, series)
         return RoundRobinRouter()
 
     def _on_model_change(self, entry: ModelEntry[ModelPipeline], added: bool) -> None:
@@ -412,9 +436,13 @@ def role_settings(settings: KVRouterSettings, role: WorkerRole) -> KVRouterSetti
     credit for cached blocks, assumes no reuse (its blocks arrive by transfer, not shared) and
     does not count prompt tokens (no prefill runs there); a prefill set's router tracks no active
     blocks (prefill workers keep nothing once the KV is handed off)."""
-    if role is WorkerRole.DECODE:
+    if role is WorkerRole.DECODE:  # no prefill load to wait for: no router queue either
         return dataclasses.replace(
-            settings, overlap_score_credit=0.0, assume_kv_reuse=False, track_prefill_tokens=False
+            settings,
+            overlap_score_credit=0.0,
+            assume_kv_reuse=False,
+            track_prefill_tokens=False,
+            queue_threshold=None,
         )
     if role is WorkerRole.PREFILL:
         return dataclasses.replace(settings, track_active_blocks=False)

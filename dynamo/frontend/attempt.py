@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,15 +29,19 @@ from dynamo.frontend.pipeline import ChoiceStats
 from dynamo.frontend.placement import InstanceStreams, continuation_candidates
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
+from dynamo.observability.router_metrics import RouterRequestSeries
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Router, Selection
+from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, NoInstances, ResponseTimeout
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from dynamo.frontend.model_registry import ModelEntry
     from dynamo.frontend.pipeline import ModelPipeline
 
@@ -144,13 +149,49 @@ def route(
         ) as span,
     ):
         selection = router.select(request, live)
-        span.set_attribute("worker_id", f"{selection.instance_id:x}")
-        if selection.dp_rank is not None:
-            span.set_attribute("dp_rank", selection.dp_rank)
-        span.set_attribute("overlap_blocks", selection.overlap_blocks)
-        if selection.cost is not None:
-            span.set_attribute("cost", selection.cost)
+        _describe(span, selection)
     return selection
+
+
+async def held_route(
+    queue: RouterQueue,
+    router: Router,
+    request: PreprocessedRequest,
+    live: Callable[[], list[ModelCard]],
+    ctx: Context,
+    timeouts: Timeouts,
+    metrics: FrontendMetrics | None = None,
+) -> Selection:
+    """:func:`route` through the router's queue (FACTS §4.5): at once when a worker has
+    capacity, else held (the ``route`` span and stage cover the wait) until capacity frees and
+    routed then. A request held past ``timeouts.first_response_s`` fails with
+    ``ResponseTimeout``; one whose context stops while held, with ``Cancelled``; a full queue
+    refuses it (``QueueFull``, 529)."""
+    waiter = queue.hold(request, live)
+    if waiter is None:
+        return route(router, request, live(), metrics)
+    with (
+        metrics.stage("route") if metrics is not None else nullcontext(),
+        tracing.tracer().start_as_current_span(
+            "route", attributes={"router_mode": "kv", "queued": True}
+        ) as span,
+    ):
+        began = time.monotonic()
+        try:
+            selection = await queue.wait(waiter, ctx, timeouts.first_response_s)
+        finally:
+            span.set_attribute("queue_wait_ms", (time.monotonic() - began) * 1000.0)
+        _describe(span, selection)
+    return selection
+
+
+def _describe(span: Span, selection: Selection) -> None:
+    span.set_attribute("worker_id", f"{selection.instance_id:x}")
+    if selection.dp_rank is not None:
+        span.set_attribute("dp_rank", selection.dp_rank)
+    span.set_attribute("overlap_blocks", selection.overlap_blocks)
+    if selection.cost is not None:
+        span.set_attribute("cost", selection.cost)
 
 
 async def attempts(
@@ -177,6 +218,7 @@ async def attempts(
     the decode instance out of routing.
     """
     migration = policy.start(entry.name, request, entry.migration_limit)
+    began = time.monotonic()
     failure: DynamoError | None = None
     avoid: int | None = None
     outcome = "cancelled"
@@ -186,13 +228,17 @@ async def attempts(
             if failure is not None:  # a retry: its engine.generate span links to the last
                 current = tracing.with_predecessor(current, stats.trace_link)
             try:
-                live = candidates(entry)
-                if avoid is not None and len(live) > 1:
-                    live = [c for c in live if c.instance_id != avoid] or live
-                if failure is not None:  # a continuation: where it starts soonest
-                    live = continuation_candidates(entry.router, current, live, entry.streams)
                 metrics = entry.pipeline.metrics if entry.pipeline is not None else None
-                selection = route(entry.router, current, live, metrics)
+                router = entry.router
+                queue: RouterQueue | None = getattr(router, "queue", None)
+                if queue is None:
+                    live_now = _live(entry, avoid, current, failure is not None)
+                    selection = route(router, current, live_now, metrics)
+                else:
+                    live = partial(_live, entry, avoid, current, failure is not None)
+                    selection = await held_route(
+                        queue, router, current, live, ctx, timeouts, metrics
+                    )
             except DynamoError:
                 if failure is not None:  # nowhere left to migrate to: the failure stands
                     outcome = "failure"
@@ -232,6 +278,33 @@ async def attempts(
                 await attempt.aclose()
     finally:
         migration.finish(outcome)
+        series: RouterRequestSeries | None = getattr(entry.router, "series", None)
+        if series is not None and stats.selection is not None:  # routed by a KV router
+            _observe_ended(series, stats, began)
+
+
+def _observe_ended(series: RouterRequestSeries, stats: ChoiceStats, began: float) -> None:
+    first, last, tokens = stats.first_token_at, stats.last_token_at, stats.completion_tokens
+    ttft = first - began if first is not None else None
+    itl = (last - first) / (tokens - 1) if first is not None and last and tokens > 1 else None
+    series.ended(ttft, itl, tokens)
+
+
+def _live(
+    entry: ModelEntry[ModelPipeline],
+    avoid: int | None,
+    request: PreprocessedRequest,
+    continuation: bool,
+) -> list[ModelCard]:
+    """The candidates of an attempt: the live serving workers, less the instance the last
+    attempt failed on when another is live; a continuation (migration) goes where it starts
+    soonest (``placement.continuation_candidates``)."""
+    live = candidates(entry)
+    if avoid is not None and len(live) > 1:
+        live = [c for c in live if c.instance_id != avoid] or live
+    if continuation:
+        live = continuation_candidates(entry.router, request, live, entry.streams)
+    return live
 
 
 async def _attempt(

@@ -57,6 +57,8 @@ class FrontendConfig:
             raise ValueError("the migration max sequence length must be >= 1")
         if self.instance_probe_interval_s <= 0:
             raise ValueError("the instance probe interval must be > 0")
+        if self.kv.queue_threshold is not None and self.router_mode != "kv":
+            raise ValueError("--router-queue-threshold needs --router-mode kv (the KV router)")
 
     @property
     def body_limit_bytes(self) -> int:

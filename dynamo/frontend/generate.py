@@ -265,17 +265,26 @@ class GenerateHandler:
             migration=self._migration,
         )
         # Route and reach the worker before committing to 200: an error before the first
-        # event is an HTTP error response (FACTS §10.2).
+        # event is an HTTP error response (FACTS §10.2). A client that goes away meanwhile
+        # (held in the router queue, a long prefill) stops the request.
+        disconnect = _watch_disconnect(http, ctx)
         try:
             first = await anext(deltas, None)
         except Exception as exc:
-            inflight.fail(http, exc, self._overload_status)
+            if disconnect.done():
+                inflight.disconnected()
+            else:
+                inflight.fail(http, exc, self._overload_status)
+            disconnect.cancel()
+            await deltas.aclose()
             return
+        except BaseException:  # cancelled: the watch goes with the request
+            disconnect.cancel()
+            raise
         inflight.first_response()
         sink = KeepAliveSink(
             http.start_stream(200, [*SSE_HEADERS, *inflight.id_headers]), self._keep_alive_s
         )
-        disconnect = _watch_disconnect(http, ctx)
         try:
             # Writes are batched where the order allows: the preamble with the first delta,
             # the last delta's trailers with [DONE] (one write to the client each).
@@ -396,7 +405,7 @@ def _preprocess(
     preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
 ) -> tuple[list[Prepared], ResponseExtras | None]:
     """Template, tokenize and shape ``req`` (pure CPU work: may run on the offload pool)."""
-    prepared = prepare_request(preprocessor, req, inflight.engine_id)
+    prepared = prepare_request(preprocessor, req, inflight.engine_id, inflight.priority_headers)
     return prepared, response_extras(req, prepared, preprocessor.tokenizer)
 
 

@@ -23,6 +23,7 @@ from dynamo.frontend.attempt import Load
 from dynamo.frontend.errors import to_http
 from dynamo.frontend.exchange import Exchange
 from dynamo.frontend.pipeline import ChoiceStats, RunStats
+from dynamo.frontend.priority import PRIORITY_HEADER, STRICT_PRIORITY_HEADER
 from dynamo.frontend.streaming import JSON_HEADERS, Formatter
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics, observe_many
@@ -46,6 +47,7 @@ class InflightRequest:
         "request_id",
         "engine_id",
         "id_headers",
+        "priority_headers",
         "started",
         "ctx",
         "stats",
@@ -87,6 +89,11 @@ class InflightRequest:
         # its x-request-id (retries), and a cancel by context id must not hit the other request.
         self.engine_id = (
             self.request_id if client_id is None else f"{client_id}-{uuid.uuid4().hex[:12]}"
+        )
+        # The router-queue priority headers, read by the preprocessing (frontend/priority.py).
+        self.priority_headers = (
+            http.header(PRIORITY_HEADER),
+            http.header(STRICT_PRIORITY_HEADER),
         )
         self.ctx: Context | None = None
         self.stats: RunStats | None = None

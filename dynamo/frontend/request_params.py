@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from dynamo.frontend.priority import PriorityHeaders, request_priority
 from dynamo.preprocess import GenerationParams, Prepared, Preprocessor
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
 from dynamo.protocol.request import GuidedDecodingOptions, RoutingHints
@@ -25,15 +26,33 @@ MAX_ENGINE_REQUESTS = 1024
 
 
 def prepare_request(
-    pre: Preprocessor, req: ChatCompletionRequest | CompletionRequest, request_id: str
+    pre: Preprocessor,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    priority_headers: PriorityHeaders = (None, None),
 ) -> list[Prepared]:
     """The engine requests of one HTTP request: the body's fields merged with nvext (nvext
-    wins for sampling extensions), preprocessed, one per choice (n) and prompt (batch)."""
+    wins for sampling extensions), preprocessed, one per choice (n) and prompt (batch).
+    ``priority_headers``: the request's router-queue priority headers (``priority.py``)."""
     nv = req.nvext
     annotations = [a for a in (nv.annotations or []) if a in SUPPORTED_ANNOTATIONS] if nv else []
     routing = None
-    if nv is not None and (nv.backend_instance_id is not None or nv.dp_rank is not None):
-        routing = RoutingHints(backend_instance_id=nv.backend_instance_id, dp_rank=nv.dp_rank)
+    jump, strict = (
+        request_priority(nv, priority_headers)
+        if nv is not None or priority_headers != (None, None)
+        else (0.0, 0)
+    )
+    if (
+        nv is not None
+        and (nv.backend_instance_id is not None or nv.dp_rank is not None)
+        or (jump or strict)
+    ):
+        routing = RoutingHints(
+            backend_instance_id=nv.backend_instance_id if nv is not None else None,
+            dp_rank=nv.dp_rank if nv is not None else None,
+            priority_jump=jump,
+            strict_priority=strict,
+        )
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens

@@ -34,6 +34,21 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 TopK = Annotated[int, Meta(ge=-1, le=_U32_MAX)]  # -1 (or None): no limit
 
 
+PriorityJump = Annotated[float, Meta(ge=0.0, le=1e9)]
+StrictPriority = Annotated[int, Meta(ge=0, le=_U32_MAX)]
+
+
+class AgentHints(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """``nvext.agent_hints``: the request's place in the router queue (FACTS §4.5).
+    ``priority`` moves it ahead (fcfs: as if it arrived that many seconds earlier; wspt: its
+    weight is ``1 + priority``); ``strict_priority`` is a tier, a higher one always first. Also
+    given by the ``x-dynamo-request-priority`` / ``x-dynamo-request-strict-priority`` headers
+    (the body wins when both are given)."""
+
+    priority: PriorityJump | None = None
+    strict_priority: StrictPriority | None = None
+
+
 class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
     """NVIDIA's extension. Unlike the OpenAI fields, an unknown key here is a 400: it is our
     own namespace, so a key we do not know asks for something we would silently not do."""
@@ -49,6 +64,7 @@ class NvExt(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fie
     dp_rank: DpRank | None = None
     extra_fields: list[str] | None = None
     min_tokens: NonNegativeInt | None = None
+    agent_hints: AgentHints | None = None
     # Guided decoding (the reference's CommonExt names; also accepted at the top level).
     guided_json: Any = None
     guided_regex: str | None = None

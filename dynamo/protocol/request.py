@@ -64,12 +64,17 @@ class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class RoutingHints(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Explicit placement: a worker instance, a DP rank, or a prefill worker (disaggregation)."""
+    """Explicit placement: a worker instance, a DP rank, or a prefill worker (disaggregation);
+    and the request's place in the router queue (FACTS §4.5): ``priority_jump`` (seconds of
+    earlier arrival under fcfs, a weight under wspt) and ``strict_priority`` (a higher tier is
+    always served first)."""
 
     backend_instance_id: int | None = None
     dp_rank: int | None = None
     prefill_worker_id: int | None = None
     prefill_dp_rank: int | None = None
+    priority_jump: float = 0.0
+    strict_priority: int = 0
 
 
 class TraceLink(msgspec.Struct, frozen=True, kw_only=True):

@@ -49,6 +49,11 @@ class Deployment:
             raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}")
         if self.disagg.dispatch != "route":  # refused, not silently simulated as route
             raise ValueError("the replay simulates --prefill-dispatch route only")
+        if self.kv.queue_threshold is not None and (self.router_mode != "kv" or self.disaggregated):
+            raise ValueError(
+                "the replay simulates --router-queue-threshold with --router-mode kv and "
+                "aggregated workers only"
+            )
 
     @property
     def disaggregated(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dynamo.frontend.app import role_settings
 from dynamo.mocker.config import MockerConfig
@@ -16,6 +17,7 @@ from dynamo.protocol.request import PreprocessedRequest
 from dynamo.replay.deployment import Deployment
 from dynamo.router.basic import RandomRouter, RoundRobinRouter
 from dynamo.router.core import RoutingCore, WorkerSpec
+from dynamo.router.queue import PendingQueue, QueuePolicy
 
 IDLE, SCHEDULED, BUSY = 0, 1, 2
 """A rank's state: no pass planned; a pass start is on the heap; a pass runs."""
@@ -60,6 +62,11 @@ class Pool:
     core: RoutingCore | None
     basic: RoundRobinRouter | RandomRouter | None
     role: str
+    queue: PendingQueue[Any] | None = None  # the router queue (kv, --router-queue-threshold)
+
+    def core_saturated(self) -> bool:
+        """Whether every worker of the pool is past the router queue's threshold."""
+        return self.core is not None and self.core.saturated()
 
     def route(
         self, request_id: str, tokens: list[int], local: list[int], seqs: list[int]
@@ -108,7 +115,11 @@ def build_pool(
         basic = RandomRouter(random.Random(seed ^ 0x2A4D))
     else:
         basic = RoundRobinRouter()
-    pool = Pool(config, cards, ranks, core, basic, role)
+    queue: PendingQueue[Any] | None = None
+    if core is not None and core.settings.queue_threshold is not None:
+        kv = core.settings
+        queue = PendingQueue(QueuePolicy(kv.queue_policy), kv.queue_max_requests, clock=clock)
+    pool = Pool(config, cards, ranks, core, basic, role, queue)
     for i in range(n):
         worker_id = base + i
         cards.append(

@@ -58,6 +58,7 @@ from dynamo.replay.pools import (
     build_pool,
 )
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
+from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
@@ -79,6 +80,8 @@ class Flight:
     rank: Rank | None = None  # where its sequence is queued or runs now
     decode_rank: Rank | None = None  # disaggregated: where the decode runs after the prefill
     done: bool = False
+    held: Held[Flight] | None = None  # waiting in the router queue (--router-queue-threshold)
+    hashes: tuple[list[int], list[int]] | None = None  # its prompt's hashes, while held
 
 
 @dataclass(slots=True)
@@ -245,6 +248,14 @@ class Simulation:
             self._timeouts.append((now + load.load.timeout_s, flight))
         local = local_block_hashes(prompt, self._hash_size)
         hashes = (local, sequence_hashes(local))
+        pool = self.decode_pool
+        if pool.queue is not None and (len(pool.queue) or pool.core_saturated()):
+            self._hold(flight, hashes)
+            return
+        self._route(flight, hashes)
+
+    def _route(self, flight: Flight, hashes: tuple[list[int], list[int]]) -> None:
+        prompt = flight.tokens
         try:
             rank, chosen = self.decode_pool.route(flight.request_id, prompt, *hashes)
             flight.routing = chosen
@@ -261,6 +272,37 @@ class Simulation:
             return
         self._enqueue(rank, flight, seq)
 
+    # -- the router queue (router/queue.py, as the live KV router holds requests) -------------
+    def _hold(self, flight: Flight, hashes: tuple[list[int], list[int]]) -> None:
+        """Hold ``flight`` until a worker has prefill capacity (a full queue refuses it)."""
+        pool = self.decode_pool
+        queue, core = pool.queue, pool.core
+        assert queue is not None and core is not None
+        isl = len(flight.tokens)
+        cached = 0
+        if queue.policy is QueuePolicy.WSPT:
+            best = max(core.find_matches(hashes[0]).values(), default=0)
+            cached = min(best * core.block_size, isl)
+        try:
+            flight.held = queue.push(flight, isl=isl, cached_tokens=cached)
+        except QueueFull as exc:
+            self._fail(flight, exc)
+            return
+        flight.hashes = hashes
+
+    def _release_held(self) -> None:
+        """Capacity may have freed: route held requests, in queue order, while it lasts."""
+        pool = self.decode_pool
+        if pool.queue is not None and len(pool.queue):
+            pool.queue.drain(lambda _held: not pool.core_saturated(), self._release)
+
+    def _release(self, held: Held[Flight]) -> None:
+        flight = held.item
+        hashes = flight.hashes
+        assert hashes is not None
+        flight.held, flight.hashes = None, None
+        self._route(flight, hashes)
+
     def _time_out(self, flight: Flight) -> None:
         """The client gave up on ``flight`` (``dynamo bench``'s request timeout)."""
         record = flight.record
@@ -269,10 +311,16 @@ class Simulation:
         timeout = flight.load.load.timeout_s
         record.error_message = f"no complete response within {timeout} s"
         self._abandon(flight)
+        self._release_held()  # what it held on its worker is free
 
     def _abandon(self, flight: Flight) -> None:
         """End an unfinished request: its engine drops it (freeing its blocks), its routers
         forget it, its runner goes on."""
+        if flight.held is not None:  # still in the router queue: it leaves it
+            queue = self.decode_pool.queue
+            assert queue is not None
+            queue.discard(flight.held)
+            flight.held, flight.hashes = None, None
         rank = flight.rank
         if rank is not None:
             rank.sched.abort(flight.request_id)  # a pass in progress: its tokens are dropped
@@ -397,6 +445,8 @@ class Simulation:
             self._push(now, _PASS_START, rank)
         else:
             rank.state = IDLE
+        if core is not None and not prefill_pool:
+            self._release_held()  # prefills completed, requests ended: capacity for the held
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: Rank) -> None:
         """Disaggregation: the prompt's KV is ready on the prefill worker; it moves to the

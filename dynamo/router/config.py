@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from dynamo.router.selector import SelectorConfig
 from dynamo.runtime.config import add_flag
 
+QUEUE_POLICIES = ("fcfs", "wspt", "lcfs")
+
 
 @dataclass(frozen=True, slots=True)
 class KVRouterSettings:
@@ -28,6 +30,17 @@ class KVRouterSettings:
     decode_active_request_weight: float = 0.0
     overlap_score_credit_decay: float = 0.0
     consistency_check_interval_s: float = 30.0
+    queue_threshold: float | None = None  # None: no router queue (FACTS §4.5)
+    queue_policy: str = "fcfs"
+    queue_max_requests: int | None = None  # None: unbounded
+
+    def __post_init__(self) -> None:
+        if self.queue_threshold is not None and not self.queue_threshold >= 0:
+            raise ValueError("--router-queue-threshold must be >= 0")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"--router-queue-policy must be one of {', '.join(QUEUE_POLICIES)}")
+        if self.queue_max_requests is not None and self.queue_max_requests < 1:
+            raise ValueError("--router-queue-max-requests must be at least 1")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +157,31 @@ class KVRouterSettings:
             type=bool,
             help="deduplicate identical prefixes in active-block accounting",
         )
+        add_flag(
+            g,
+            "--router-queue-threshold",
+            default=None,
+            type=float,
+            help="hold requests while every eligible worker has more active prefill tokens than "
+            "this fraction of its max_num_batched_tokens, and route them when capacity frees "
+            "(unset: no router queue)",
+        )
+        add_flag(
+            g,
+            "--router-queue-policy",
+            default=d.queue_policy,
+            choices=QUEUE_POLICIES,
+            help="order of held requests: fcfs (priority bump = earlier arrival; tail TTFT), "
+            "wspt (Smith's rule on uncached prompt tokens; mean TTFT), lcfs (experiments)",
+        )
+        add_flag(
+            g,
+            "--router-queue-max-requests",
+            default=None,
+            type=int,
+            help="most requests the router queue holds; one more is refused with 529 "
+            "(unset: unbounded)",
+        )
 
     def selector_config(self) -> SelectorConfig:
         return SelectorConfig(
@@ -176,4 +214,7 @@ class KVRouterSettings:
             track_active_blocks=args.router_track_active_blocks,
             assume_kv_reuse=args.router_assume_kv_reuse,
             consistency_check_interval_s=args.router_kv_consistency_interval,
+            queue_threshold=args.router_queue_threshold,
+            queue_policy=args.router_queue_policy,
+            queue_max_requests=args.router_queue_max_requests,
         )

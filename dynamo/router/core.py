@@ -180,6 +180,31 @@ class RoutingCore:
         """The request ended: everything it held leaves its rank's load. Idempotent."""
         return self.sequences.free(request_id)
 
+    def saturated(
+        self,
+        allowed: Collection[int] | None = None,
+        pinned_worker: int | None = None,
+        dp_rank: int | None = None,
+    ) -> bool:
+        """Whether a request with these eligibility hints must wait in the router queue (FACTS
+        §4.5): a queue threshold is set and every eligible rank has ``active_prefill_tokens >
+        threshold * max_num_batched_tokens``. A worker whose ``max_num_batched_tokens`` is
+        unknown is never saturated; no eligible rank at all is not saturation (routing then
+        raises ``NoInstances``)."""
+        threshold = self.settings.queue_threshold
+        if threshold is None:
+            return False
+        try:
+            targets = self._eligible(allowed, pinned_worker, dp_rank)
+        except NoInstances:
+            return False
+        prefill_tokens = self.sequences.active_prefill_tokens
+        for worker, rank in targets:
+            capacity = worker.max_num_batched_tokens
+            if capacity is None or prefill_tokens(worker.worker_id, rank) <= threshold * capacity:
+                return False
+        return True
+
     # -- internals -------------------------------------------------------------------------
     def _eligible(
         self, allowed: Collection[int] | None, pinned: int | None, rank: int | None

@@ -4,21 +4,37 @@
   cache salt are mixed into the seed); only complete blocks are hashed.
 * sequence hash: ``seq[0] = local[0]``, ``seq[i] = XXH3-64(u64_le(seq[i-1]) || u64_le(local[i]),
   seed 1337)``. It identifies a block *with its whole prefix*.
+
+The per-block loops run in ``_hash.c``, or its pure-Python twin ``_hash_fallback.py`` (chosen
+once by ``dynamo.native``); the rare forms (EAGLE windows, multimodal hashes) are built here.
 """
 
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
+
+from dynamo import native
+from dynamo.router import _hash_fallback
 
 XXH3_SEED = 1337
 _MASK64 = (1 << 64) - 1
 _xxh3 = xxhash.xxh3_64_intdigest
-_PAIR = struct.Struct("<QQ")
-_LITTLE = array("I").itemsize == 4 and struct.pack("=I", 1) == struct.pack("<I", 1)
+
+_impl = native.load("dynamo.router._hash", "dynamo.router._hash_fallback")
+IMPLEMENTATION: str = _impl.__name__
+"""The module in use (``dynamo.router._hash`` or ``dynamo.router._hash_fallback``)."""
+if TYPE_CHECKING:
+    from dynamo.router._hash import block_hash as _block_hash
+    from dynamo.router._hash import local_block_hashes as _plain_hashes
+    from dynamo.router._hash import next_sequence_hash as _next
+    from dynamo.router._hash import sequence_hashes as _chain
+else:
+    _block_hash, _plain_hashes = _impl.block_hash, _impl.local_block_hashes
+    _next, _chain = _impl.next_sequence_hash, _impl.sequence_hashes
 
 
 def block_seed(lora_name: str | None = None, salt: str | None = None) -> int:
@@ -29,13 +45,6 @@ def block_seed(lora_name: str | None = None, salt: str | None = None) -> int:
     if salt:
         seed += _xxh3(salt.encode(), 1)
     return seed & _MASK64
-
-
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    arr = array("I", tokens)
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
 
 
 def local_block_hashes(
@@ -56,7 +65,9 @@ def local_block_hashes(
     if block_size <= 0:
         return []
     seed = block_seed(lora_name, salt)
-    data = _token_bytes(tokens)
+    if not is_eagle and not block_mm_hashes:
+        return _plain_hashes(tokens, block_size, seed)
+    data = _hash_fallback.token_bytes(tokens)
     step = block_size * 4
     if is_eagle:
         n_blocks = max(0, (len(tokens) - 1) // block_size)
@@ -77,21 +88,18 @@ def block_hash(tokens: Sequence[int], seed: int = XXH3_SEED) -> int:
     """The local hash of one complete block (``seed`` from :func:`block_seed`): what
     ``local_block_hashes`` computes per block, for callers that hash one block at a time (a
     decode filling its tail block)."""
-    return _xxh3(_token_bytes(tokens), seed)
+    return _block_hash(tokens, seed)
 
 
 def next_sequence_hash(parent: int, local: int) -> int:
-    return _xxh3(_PAIR.pack(parent, local), XXH3_SEED)
+    """The sequence hash of the block ``local`` after the block whose sequence hash is
+    ``parent``."""
+    return _next(parent, local)
 
 
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     """Chain local hashes into sequence hashes."""
-    out: list[int] = []
-    prev: int | None = None
-    for local in local_hashes:
-        prev = local if prev is None else _xxh3(_PAIR.pack(prev, local), XXH3_SEED)
-        out.append(prev)
-    return out
+    return _chain(local_hashes)
 
 
 def to_signed64(value: int) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import msgspec
 
 from dynamo.observability.metrics import RouterMetrics
+from dynamo.observability.router_metrics import RouterRequestSeries
 from dynamo.protocol.kv_events import (
     KV_EVENTS_TOPIC,
     RECOVERY_ENDPOINT,
@@ -43,6 +44,7 @@ from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
 from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import NoInstances
@@ -74,12 +76,15 @@ class KVRouter:
         metrics: RouterMetrics | None = None,
         *,
         rng: random.Random | None = None,
+        series: RouterRequestSeries | None = None,
     ) -> None:
         self._runtime = runtime
         self.model = model
         self.block_size = block_size
         self.settings = settings
         self._metrics = metrics
+        self.series = series
+        """This router's ``dynamo_component_router_*`` series (the frontend's, per model)."""
         self.core = RoutingCore(block_size, settings, rng=rng or random.Random())
         self._workers: dict[int, ModelCard] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -92,6 +97,10 @@ class KVRouter:
         self._history: dict[int, list[KVCacheEvent]] | None = None
         self.consistency: dict[tuple[int, int], RankConsistency] = {}
         """The latest cache-consistency check per worker rank (``check_consistency``)."""
+        self.queue: RouterQueue | None = (
+            RouterQueue(self) if settings.queue_threshold is not None else None
+        )
+        """The router queue (``--router-queue-threshold``): requests held for capacity."""
 
     @property
     def indexer(self) -> KVIndexer | None:
@@ -112,8 +121,16 @@ class KVRouter:
         card: ModelCard,
         settings: KVRouterSettings,
         metrics: RouterMetrics | None = None,
+        series: RouterRequestSeries | None = None,
     ) -> KVRouter:
-        router = cls(runtime, card.served_model_name, card.kv_block_size, settings, metrics)
+        router = cls(
+            runtime,
+            card.served_model_name,
+            card.kv_block_size,
+            settings,
+            metrics,
+            series=series,
+        )
         await router.start(EndpointId(card.namespace, card.component, card.endpoint))
         return router
 
@@ -218,15 +235,23 @@ class KVRouter:
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )
+        if self.series is not None:
+            self.series.routed(isl, chosen.cached_tokens / isl if isl else 0.0)
         return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 
     def on_first_token(self, request_id: str) -> None:
-        if self.core.prefill_completed(request_id) and self._sync is not None:
-            self._sync.publish(SyncOp.PREFILL_COMPLETED, request_id)
+        if self.core.prefill_completed(request_id):
+            if self._sync is not None:
+                self._sync.publish(SyncOp.PREFILL_COMPLETED, request_id)
+            if self.queue is not None:
+                self.queue.drain()
 
     def on_finish(self, request_id: str) -> None:
-        if self.core.free(request_id) and self._sync is not None:
-            self._sync.publish(SyncOp.FREE, request_id)
+        if self.core.free(request_id):
+            if self._sync is not None:
+                self._sync.publish(SyncOp.FREE, request_id)
+            if self.queue is not None:
+                self.queue.drain()
 
     # -- workers (from the frontend's discovery watch) --------------------------------------
     def add_worker(self, card: ModelCard) -> None:
@@ -256,6 +281,8 @@ class KVRouter:
                 ):
                     continue  # the stored events were complete: nothing to ask the worker
                 self._spawn_recovery(worker_id, rank)
+        if self.queue is not None:
+            self.queue.drain()  # a new worker's capacity
 
     async def _load_history(self, events: StoredEventPlane) -> None:
         """Read the stored KV events (before following live ones) into ``_history``; kept for
@@ -279,6 +306,8 @@ class KVRouter:
         if self._workers.pop(instance_id, None) is None:
             return
         self.core.remove_worker(instance_id)
+        if self.queue is not None:
+            self.queue.drain()  # a saturated worker gone: the others may take the front
         for key in [k for k in self.consistency if k[0] == instance_id]:
             del self.consistency[key]
             if self._metrics is not None:
@@ -448,6 +477,8 @@ class KVRouter:
             self.sequences.mark_prefill_completed(event.request_id)
         else:
             self.sequences.free(event.request_id)
+        if self.queue is not None and event.op is not SyncOp.ADD:
+            self.queue.drain()  # another router's request left our workers' load
 
 
 def _record(

@@ -1,0 +1,201 @@
+/*
+ * dynamo.router._hash: KV block hashing (FACTS §1), the loops of router/hashing.py in C.
+ *
+ * Why native: every request is hashed block by block where it is routed (the KV router, the
+ * offline replay) and every decode block an engine completes is hashed again. In Python each
+ * block cost a bytes slice, an interpreter round and a call (~0.3 µs), and each chained hash a
+ * struct pack as well (~0.35 µs): ~8 % of the offline replay's CPU for a 72-block prompt
+ * (docs/performance.md, "Offline replay"). Here a block is XXH3-64 over a stack buffer.
+ *
+ * XXH3-64 is the reference implementation (vendor/xxhash.h, xxHash 0.8.2, BSD-2-Clause: the
+ * algorithm the Python ``xxhash`` package wraps; its output is frozen since 0.8.0). The contract
+ * is ``_hash.pyi``; ``_hash_fallback.py`` is the same in Python (``dynamo.native`` picks one) and
+ * tests/unit/router/test_hash_native.py holds the two to the same outputs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define XXH_INLINE_ALL
+#define XXH_NO_STREAM
+#include "vendor/xxhash.h"
+
+#define SEQUENCE_SEED 1337ULL /* router.hashing.XXH3_SEED */
+
+/* Convert tokens[0..n) to u32 little-endian bytes; array('I') semantics for bad ids. */
+static int
+token_bytes(PyObject *const *items, Py_ssize_t n, unsigned char *out)
+{
+    for (Py_ssize_t k = 0; k < n; k++) {
+        unsigned long t = PyLong_AsUnsignedLong(items[k]);
+        if (t == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        if (t > 0xFFFFFFFFUL) {
+            PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
+            return -1;
+        }
+        out[4 * k] = (unsigned char)t;
+        out[4 * k + 1] = (unsigned char)(t >> 8);
+        out[4 * k + 2] = (unsigned char)(t >> 16);
+        out[4 * k + 3] = (unsigned char)(t >> 24);
+    }
+    return 0;
+}
+
+static int
+as_u64(PyObject *value, uint64_t *out)
+{
+    *out = PyLong_AsUnsignedLongLong(value);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline uint64_t
+chain(uint64_t parent, uint64_t local)
+{
+    unsigned char pair[16];
+    for (int k = 0; k < 8; k++) {
+        pair[k] = (unsigned char)(parent >> (8 * k));
+        pair[8 + k] = (unsigned char)(local >> (8 * k));
+    }
+    return XXH3_64bits_withSeed(pair, 16, SEQUENCE_SEED);
+}
+
+static PyObject *
+local_block_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "local_block_hashes(tokens, block_size, seed)");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    uint64_t seed;
+    if ((block_size == -1 && PyErr_Occurred()) || as_u64(args[2], &seed) < 0)
+        return NULL;
+    if (block_size <= 0)
+        return PyList_New(0);
+    PyObject *seq = PySequence_Fast(args[0], "tokens must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t blocks = n / block_size;
+    PyObject *out = NULL;
+    /* every token is converted, the tail too: a bad id fails as array('I') would */
+    unsigned char *buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (token_bytes(items, n, buf) < 0)
+        goto done;
+    if ((out = PyList_New(blocks)) == NULL)
+        goto done;
+    size_t width = (size_t)block_size * 4;
+    for (Py_ssize_t i = 0; i < blocks; i++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(buf + i * width, width, seed));
+        if (h == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+done:
+    PyMem_Free(buf);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *
+sequence_hashes(PyObject *module, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "local_hashes must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (out == NULL || n == 0)
+        goto done;
+    /* the first sequence hash is the first local hash itself */
+    PyList_SET_ITEM(out, 0, Py_NewRef(items[0]));
+    uint64_t prev = 0;
+    if (n > 1 && as_u64(items[0], &prev) < 0) /* only chained from: as the fallback */
+        goto fail;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        uint64_t local;
+        if (as_u64(items[i], &local) < 0)
+            goto fail;
+        prev = chain(prev, local);
+        PyObject *h = PyLong_FromUnsignedLongLong(prev);
+        if (h == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, h);
+    }
+done:
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_CLEAR(out);
+    goto done;
+}
+
+static PyObject *
+block_hash(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "block_hash(tokens, seed)");
+        return NULL;
+    }
+    uint64_t seed;
+    if (as_u64(args[1], &seed) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "tokens must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = NULL;
+    unsigned char *buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1);
+    if (buf == NULL)
+        PyErr_NoMemory();
+    else if (token_bytes(PySequence_Fast_ITEMS(seq), n, buf) == 0)
+        out = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(buf, (size_t)n * 4, seed));
+    PyMem_Free(buf);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *
+next_sequence_hash(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "next_sequence_hash(parent, local)");
+        return NULL;
+    }
+    uint64_t parent, local;
+    if (as_u64(args[0], &parent) < 0 || as_u64(args[1], &local) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(chain(parent, local));
+}
+
+static PyMethodDef module_methods[] = {
+    {"local_block_hashes", (PyCFunction)(void (*)(void))local_block_hashes, METH_FASTCALL,
+     "local_block_hashes(tokens, block_size, seed): XXH3-64 of each complete block."},
+    {"sequence_hashes", (PyCFunction)sequence_hashes, METH_O,
+     "sequence_hashes(local_hashes): the chained hashes."},
+    {"block_hash", (PyCFunction)(void (*)(void))block_hash, METH_FASTCALL,
+     "block_hash(tokens, seed): XXH3-64 of one block."},
+    {"next_sequence_hash", (PyCFunction)(void (*)(void))next_sequence_hash, METH_FASTCALL,
+     "next_sequence_hash(parent, local): one chained hash."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hash_module = {
+    PyModuleDef_HEAD_INIT, "dynamo.router._hash",
+    "KV block hashing in C (see _hash.pyi).", -1, module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__hash(void)
+{
+    return PyModule_Create(&hash_module);
+}

@@ -1,0 +1,19 @@
+"""Type stub of the native module ``dynamo.router._hash`` (source: ``_hash.c``; the same
+contract in Python: ``_hash_fallback.py``). Import through ``dynamo.router.hashing``."""
+
+from collections.abc import Sequence
+
+def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """XXH3-64 (``seed``) of each complete block of ``tokens`` as u32 little-endian bytes; the
+    partial tail is dropped (but its ids are checked). ``[]`` for ``block_size <= 0``.
+    OverflowError for an id outside [0, 2**32)."""
+
+def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+    """Chained hashes: ``seq[0] = local[0]``, ``seq[i] = next_sequence_hash(seq[i-1],
+    local[i])``."""
+
+def block_hash(tokens: Sequence[int], seed: int) -> int:
+    """XXH3-64 (``seed``) of ``tokens`` as u32 little-endian bytes."""
+
+def next_sequence_hash(parent: int, local: int) -> int:
+    """XXH3-64 (seed 1337) of ``u64_le(parent) || u64_le(local)``."""
