@@ -12,7 +12,7 @@ are the GPU worker and runner's subclasses and keep their connector calls
 
 A handoff (the ``kv_transfer_params`` of vLLM's requests and outputs):
 
-1. prefill worker, request ``{"do_remote_decode": true}``: when it finishes (``max_tokens`` 1),
+1. prefill worker, request ``{"do_remote_decode": true}``: when it ends (its one token, or a stop),
    ``request_finished`` keeps its blocks (``delay_free``) and answers the params of the decode
    side: ``remote_host``/``remote_port`` (this worker's agent, learned from the worker connector
    by vLLM's handshake), ``remote_handle`` (the request id), ``remote_block_ids``.
@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
 
 from dynamo.vllm.kv_handoff import HOLD_TIMEOUT_S, HandoffWorker, Load
 from dynamo.vllm.paged_kv import PagedKV
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "DynamoConnector"
+# A prompt is handed off when its one token came (its length) or was a stop token: the decode
+# side then samples that token again and stops the same way.
+_HANDED_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 @dataclass
@@ -234,14 +238,12 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
         self._matched.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
-            return False, None  # aborted, failed or stopped early: nothing to hand off
+        if request.status not in _HANDED_OFF or not block_ids:
+            return False, None  # aborted or failed: nothing to hand off
         if self._agent_address is None:
             log.error("no KV agent address from the worker connector: no handoff")
             return False, None
