@@ -39,53 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "dynamo" / "models" / "demo"
+from launcher import MODEL, REPO, Child, service_env
+
 GOAL_P99_RATIO = 2.0
 CHAT = "/v1/chat/completions"
-
-
-class Child:
-    """A service process whose output lines are collected."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def wait_line(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if line.startswith(prefix):
-                    return line
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"did not print {prefix!r}:\n" + "\n".join(self.lines[-30:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
 
 
 def measure(port: int, requests: int, stop_early: threading.Event | None = None) -> list[float]:
@@ -260,16 +217,18 @@ def main() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
     discovery = tempfile.TemporaryDirectory(prefix="dynamo-abuse-")
-    env = dict(os.environ, DYN_FILE_KV=discovery.name, PYTHONUNBUFFERED="1")
+    env = service_env(discovery.name)
     mocker = Child(
+        "mocker",
         ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
         + ["--speedup-ratio", "0"],
         env,
     )
-    frontend = Child(["-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", "0"], env)
+    frontend = Child(
+        "frontend", ["-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", "0"], env
+    )
     try:
-        line = frontend.wait_line("dynamo frontend: listening on http://", 60)
-        port = int(line.rsplit(":", 1)[1])
+        port = frontend.port()
         deadline = time.monotonic() + 60
         while True:
             try:

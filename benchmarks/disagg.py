@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stack import Child, wait_model  # noqa: E402
+from launcher import Child, free_port, service_env, wait_model  # noqa: E402
 
 from dynamo.bench.benchmark import check_server  # noqa: E402
 from dynamo.bench.client import Endpoint, HttpClient  # noqa: E402
@@ -62,12 +61,6 @@ STACKS = {
 SLO_TTFT_S = 2.0
 SLO_ITL_S = 0.050
 VOCAB = (1000, 4000)  # plain word-piece ids of the demo tokenizer (no special tokens)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def workload(rate: float, duration: float, seed: int) -> list[SingleRequest]:
@@ -127,7 +120,7 @@ def one_stack(
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dynamo-disagg-bench-") as tmp:
-        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1")
+        env = service_env(TMPDIR=tmp)
         serve = Child(
             f"serve-{name}",
             ["-m", "dynamo.serve", "--http-host", "127.0.0.1", "--http-port", str(port)]

@@ -35,11 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
-from kv_routing import MOCKER_FLAGS, free_port  # noqa: E402
-from stack import Child, wait_model  # noqa: E402
+from kv_routing import one_run  # noqa: E402
+from launcher import Child, service_env  # noqa: E402
 
-from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
-from dynamo.bench.__main__ import run_loop  # noqa: E402
 from dynamo.protocol.kv_events import (  # noqa: E402
     BlocksStored,
     KVCacheEvent,
@@ -91,52 +89,13 @@ def runtime_config(env: dict[str, str]) -> RuntimeConfig:
 def kv_routing_run(
     shape: str, etcd: EtcdServer, nats: NatsServer, requests: int, seed: int
 ) -> dict[str, Any]:
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="dynamo-dist-bench-") as tmp:
-        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1")
-        planes = shape_env(shape, etcd, nats, tmp)
-        flags = ["--discovery-backend", planes["DYN_DISCOVERY_BACKEND"]]
-        flags += [
-            "--event-plane",
-            planes["DYN_EVENT_PLANE"],
-            "--namespace",
-            planes["DYN_NAMESPACE"],
-        ]
-        if shape == "etcd+nats":
-            flags += ["--etcd-endpoints", etcd.endpoint, "--nats-server", nats.url]
-        serve = Child(
-            f"serve-{shape}",
-            ["-m", "dynamo.serve", "--http-host", "127.0.0.1", "--http-port", str(port)]
-            + ["--workers", "4", "--router-mode", "kv", *flags, *MOCKER_FLAGS],
-            env,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_model(url)
-            config = BenchConfig(
-                url=url,
-                api="completions",
-                workload="prefix",
-                prefix_groups=16,
-                prefix_len=1024,
-                suffix_len=128,
-                osl=32,
-                concurrency=32,
-                num_requests=requests,
-                warmup=0,
-                seed=seed,
-                progress=False,
-                plots=False,
-            )
-            summary = run_loop(run_benchmark(config)).summary
-        finally:
-            serve.stop()
-    return {
-        "ttft_p50_ms": summary["ttft_ms"]["p50"],
-        "ttft_p99_ms": summary["ttft_ms"]["p99"],
-        "cache_hit_rate": summary["cache_hit_rate"],
-        "errors": summary["errors"],
-    }
+    planes = shape_env(shape, etcd, nats, tempfile.gettempdir())  # (the flags' settings only)
+    flags = ["--discovery-backend", planes["DYN_DISCOVERY_BACKEND"]]
+    flags += ["--event-plane", planes["DYN_EVENT_PLANE"], "--namespace", planes["DYN_NAMESPACE"]]
+    if shape == "etcd+nats":
+        flags += ["--etcd-endpoints", etcd.endpoint, "--nats-server", nats.url]
+    run = one_run("kv", seed, requests, flags, name=f"serve-{shape}")
+    return {k: run[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "cache_hit_rate", "errors")}
 
 
 # -- 2. event ingest from 100 simulated workers -----------------------------------------------
@@ -182,7 +141,7 @@ async def ingest(shape: str, env: dict[str, str], seconds: float, rate: float) -
             f"pub{i}",
             [__file__, "--publisher", json.dumps(env), str(1 + i * 25), "25", str(seconds)]
             + [str(rate / 4)],
-            dict(os.environ, PYTHONUNBUFFERED="1"),
+            service_env(),
         )
         for i in range(4)
     ]
@@ -227,7 +186,7 @@ async def ingest(shape: str, env: dict[str, str], seconds: float, rate: float) -
 
 # -- 3. death to removal ----------------------------------------------------------------------
 async def death_to_removal(env: dict[str, str], demo: str) -> dict[str, Any]:
-    child_env = dict(os.environ, PYTHONUNBUFFERED="1", DYN_LEASE_TTL=str(LEASE_TTL), **env)
+    child_env = service_env(DYN_LEASE_TTL=str(LEASE_TTL), **env)
     mockers = [
         Child(
             f"mocker{i}",

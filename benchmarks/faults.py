@@ -3,7 +3,8 @@
 A frontend (``--migration-limit 3``) and 4 mocker workers at speedup 1, each its own process
 (file discovery, TCP request plane); a closed loop of 32 concurrent streaming chat requests,
 2,000 in all, 256 output tokens each. Every 5 s one worker is SIGKILLed and a replacement
-started at once. Reported:
+started at once (a kill is skipped, and counted, while the last replacement is still starting:
+on a loaded machine that takes longer than 5 s). Reported:
 
 * completed (status 200, one ``[DONE]``, no error event, exactly 256 tokens), errored (an HTTP
   error or an SSE error event), short (ended cleanly with fewer tokens: must never happen);
@@ -42,9 +43,7 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,65 +53,20 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import MODEL, PLANES, Child, free_port
+
 from dynamo.bench.client import Endpoint, HttpClient
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.timing import decode_ms, prefill_ms
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = str(REPO / "dynamo" / "models" / "demo")
 NAME = "faults-model"
-PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+SERVING = "serving model"  # a worker's line once registered
 GOAL_ADDED_P99_MS = 50.0
 FRONTEND_LOG = "warning,dynamo.frontend.migration=info"  # one line per migration
 WORKER_LOG = "info,dynamo.mocker.engine=debug"  # one line per first token
 WALL_OFFSET = time.time() - time.perf_counter()
 """The client's ``perf_counter`` read times as ``time.time()``, the logs' clock."""
 PARTS = ("stall", "detect", "dispatch", "queued", "pass", "late", "return")
-
-
-class Child:
-    """A service process whose output lines are collected."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def serving(self) -> bool:
-        """The worker has registered its model."""
-        return any("serving model" in line for line in self.lines)
-
-    def wait_for(self, fragment: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(fragment in line for line in self.lines):
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"no {fragment!r}:\n" + "\n".join(self.lines[-30:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass
@@ -248,13 +202,6 @@ def model_floor(
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def migrations(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
@@ -330,38 +277,41 @@ def main() -> int:
     env.update(PYTHONUNBUFFERED="1", DYN_FILE_KV=discovery, DYN_LOGGING_JSONL="1")
     port = free_port()
     frontend = Child(
+        "frontend",
         ["-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port)]
         + ["--migration-limit", str(args.migration_limit), "--log-level", FRONTEND_LOG, *PLANES]
         + ["--router-mode", args.router_mode],
         env,
     )
-    mocker_args = ["-m", "dynamo.mocker", "--model-path", MODEL, "--model-name", NAME]
+    mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", NAME]
     mocker_args += ["--speedup-ratio", "1", "--log-level", WORKER_LOG, *PLANES]
+    children = [frontend]
 
     def spawn() -> Child:
-        return Child(mocker_args, env)
+        children.append(Child(f"worker{len(children)}", mocker_args, env))
+        return children[-1]
 
     workers = [spawn() for _ in range(args.workers)]
-    children = [frontend, *workers]
     kills: list[float] = []  # time.time() of each SIGKILL
     reaped: list[float] = []  # seconds from each SIGKILL to the victim's exit status
-    skipped: list[float] = []  # kill instants when no worker was serving yet
+    skipped: list[float] = []  # kill instants skipped: a replacement was still starting
     streams: list[Stream] = []
     stop = threading.Event()
     try:
-        frontend.wait_for("listening on http://")
+        frontend.wait_line("listening on http://")
         for w in workers:
-            w.wait_for("serving model")
+            w.wait_line(SERVING)
 
         def killer() -> None:
             n = 0
             next_kill = time.monotonic() + args.kill_every
             while not stop.wait(max(0.0, next_kill - time.monotonic())):
                 next_kill += args.kill_every
-                # A worker that serves (a replacement still starting has no stream to lose:
-                # killing it would only shrink the fleet on a slow machine).
-                alive = [w for w in workers if w.proc.poll() is None and w.serving]
-                if not alive:
+                # Only a whole fleet loses a worker: while the last replacement is still
+                # starting (2-3 s idle, 25 s at load average 20) another kill would shrink the
+                # fleet to nothing and measure start-up instead of migration.
+                alive = [w for w in workers if w.proc.poll() is None and w.has_line(SERVING)]
+                if len(alive) < args.workers:
                     skipped.append(time.time())
                     continue
                 victim = alive[n % len(alive)]
@@ -371,9 +321,7 @@ def main() -> int:
                 victim.proc.wait()
                 reaped.append(time.time() - t)
                 workers.remove(victim)
-                fresh = spawn()  # the replacement joins when it has started (a few seconds)
-                workers.append(fresh)
-                children.append(fresh)
+                workers.append(spawn())  # it joins when it has started (a few seconds)
                 kills.append(t)
 
         thread = threading.Thread(target=killer, daemon=True)
@@ -391,10 +339,8 @@ def main() -> int:
                 child.stop()
 
     if args.logs:
-        Path(args.logs).mkdir(parents=True, exist_ok=True)
-        for n, child in enumerate(children):
-            name = "frontend" if n == 0 else f"worker{n}"
-            Path(args.logs, f"{name}.log").write_text("\n".join(child.lines) + "\n")
+        for child in children:
+            child.write_log(args.logs)
     completed = [s for s in streams if s.error is None and s.completion_tokens == args.osl]
     if not completed:
         print("nothing completed:", sorted({s.error or "" for s in streams})[:5], file=sys.stderr)
@@ -468,7 +414,7 @@ def main() -> int:
         "requests": len(streams),
         "elapsed_s": round(elapsed, 1),
         "kills": len(kills),
-        "kills_skipped_none_serving": len(skipped),
+        "kills_skipped_replacement_starting": len(skipped),
         "kill_to_exit_ms_p50_max": [round(pct(reaped, q) * 1000, 1) for q in (0.5, 1.0)],
         "completed": len(completed),
         "errored": len(errored),

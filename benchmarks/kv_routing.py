@@ -19,21 +19,20 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stack import Child, wait_model  # noqa: E402
+from launcher import REPO, Child, free_port, service_env, wait_model  # noqa: E402
 
 from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
 from dynamo.bench.__main__ import run_loop  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MOCKER_FLAGS = ["--num-gpu-blocks-override", "512", "--block-size", "16", "--speedup-ratio", "1"]
 REFERENCE = {
     "kv": {"ttft_p50_ms": 95.6, "ttft_p99_ms": 312.0, "cache_hit_rate": 0.70},
@@ -41,32 +40,18 @@ REFERENCE = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def one_run(mode: str, seed: int, requests: int) -> dict[str, Any]:
+def one_run(
+    mode: str, seed: int, requests: int, flags: Sequence[str] = (), name: str | None = None
+) -> dict[str, Any]:
+    """One fresh ``dynamo serve`` stack (``flags`` added to its command line) and the workload;
+    ``benchmarks/distributed.py`` runs it per discovery / event-plane shape."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dynamo-kv-bench-") as tmp:
-        env = dict(os.environ, TMPDIR=tmp, PYTHONUNBUFFERED="1")
         serve = Child(
-            f"serve-{mode}",
-            [
-                "-m",
-                "dynamo.serve",
-                "--http-host",
-                "127.0.0.1",
-                "--http-port",
-                str(port),
-                "--workers",
-                "4",
-                "--router-mode",
-                mode,
-                *MOCKER_FLAGS,
-            ],
-            env,
+            name or f"serve-{mode}",
+            ["-m", "dynamo.serve", "--http-host", "127.0.0.1", "--http-port", str(port)]
+            + ["--workers", "4", "--router-mode", mode, *flags, *MOCKER_FLAGS],
+            service_env(TMPDIR=tmp),
         )
         try:
             url = f"http://127.0.0.1:{port}"

@@ -26,6 +26,8 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from launcher import cpu_seconds  # noqa: E402
+
 from dynamo.backend.run import run_async  # noqa: E402
 from dynamo.protocol.output import LLMEngineOutput  # noqa: E402
 from dynamo.protocol.request import PreprocessedRequest, StopConditions  # noqa: E402
@@ -33,13 +35,6 @@ from dynamo.runtime.config import RuntimeConfig  # noqa: E402
 from dynamo.runtime.context import Context  # noqa: E402
 from dynamo.runtime.naming import EndpointId  # noqa: E402
 from dynamo.runtime.runtime import DistributedRuntime  # noqa: E402
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def drive(directory: str, pid: int, isl: int, osl: int, concurrency: int, n: int) -> dict:

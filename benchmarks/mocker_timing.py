@@ -29,14 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stack import Child, wait_model  # noqa: E402
+from launcher import MODEL, REPO, Child, service_env, wait_model  # noqa: E402
 
 from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
 from dynamo.bench.__main__ import run_loop  # noqa: E402
 from dynamo.mocker.timing import decode_ms, prefill_ms  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "dynamo" / "models" / "demo"
 TOTAL_KV_TOKENS = 16384 * 64  # mocker defaults
 REFERENCE_ITL_MS = 5.79
 BEFORE_ITL_MS = 6.41
@@ -44,7 +42,7 @@ BEFORE_ITL_MS = 6.41
 
 def one_run(isl: int, osl: int, requests: int, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dynamo-timing-bench-") as discovery:
-        env = dict(os.environ, DYN_FILE_KV=discovery, PYTHONUNBUFFERED="1")
+        env = service_env(discovery)
         mocker = Child(
             "mocker",
             ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
@@ -57,8 +55,7 @@ def one_run(isl: int, osl: int, requests: int, seed: int) -> dict[str, Any]:
             env,
         )
         try:
-            line = frontend.wait_line("dynamo frontend: listening on http://", 60)
-            url = "http://127.0.0.1:" + line.rsplit(":", 1)[1]
+            url = f"http://127.0.0.1:{frontend.port()}"
             wait_model(url)
             config = BenchConfig(
                 url=url,

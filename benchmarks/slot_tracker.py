@@ -24,7 +24,6 @@ import platform
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
+
+from launcher import cpu_seconds, free_port  # noqa: E402
 
 MODEL = "bench"
 GROUPS = 8  # prefix groups; each request shares a 16-block prefix with its group
@@ -80,19 +83,8 @@ wrk.body = [[%(body)s]]
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _signed(rng: random.Random) -> int:
     return rng.getrandbits(64) - (1 << 63)
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Service:
@@ -100,7 +92,7 @@ class Service:
 
     def __init__(self, python: str, label: str) -> None:
         self.label = label
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [python, "-m", "dynamo.slot_tracker", "--port", str(self.port)]
         if label == "dynamo-py":  # the reference (1.6.1) has no --host: it binds 0.0.0.0
             cmd += ["--host", "127.0.0.1"]
@@ -152,12 +144,12 @@ def _wrk(
     url: str, script: Path, args: argparse.Namespace, duration: int, pid: int
 ) -> dict[str, Any]:
     cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{duration}s", "--latency"]
-    cpu0 = _cpu_seconds(pid)
+    cpu0 = cpu_seconds(pid)
     run_id = f"r{time.monotonic_ns()}"  # unique request ids per wrk run
     out = subprocess.run(
         [*cmd, "-s", str(script), url, "--", run_id], capture_output=True, text=True, check=True
     ).stdout
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     lat = {f"p{m[0]}_ms": round(float(m[1]) * _UNIT[m[2]], 3) for m in _LAT.findall(out)}

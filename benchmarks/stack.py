@@ -39,92 +39,36 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dynamo.bench import BenchConfig, run_benchmark
-from dynamo.bench.__main__ import run_loop
+# As a script or as ``python -m benchmarks.stack`` (the command docs/performance.md records).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "dynamo" / "models" / "demo"
+from launcher import (  # noqa: E402
+    MODEL,
+    PLANES,
+    REPO,
+    Child,
+    free_port,
+    service_env,
+    wait_model,
+)
+
+from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
+from dynamo.bench.__main__ import run_loop  # noqa: E402
+
 GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
 GOAL_TTFT_RATIO_C1 = 0.8  # side by side: our TTFT p50 at c=1 over the reference's, at most
 GOAL_RATE_RATIO_C64 = 2.0  # side by side: our req/s at c=64 over the reference's, at least
 GOAL_TRACING = {"local": 1.05, "export": 1.15}  # CPU per request over tracing off, at most
-PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
 # Measured requests per level (full run); warm-up is max(2 * c, 32) requests.
 REQUESTS = {1: 300, 16: 1000, 64: 1500, 256: 2000}
-
-
-class Child:
-    """A service process whose output lines are collected (and echoed on failure).
-    ``python`` other than ours runs outside the checkout, so that ``-m dynamo...`` imports that
-    interpreter's own package."""
-
-    def __init__(
-        self, name: str, args: list[str], env: dict[str, str], python: str = sys.executable
-    ) -> None:
-        self.name = name
-        ours = python == sys.executable
-        self.proc = subprocess.Popen(
-            [python, *args],
-            cwd=REPO if ours else tempfile.gettempdir(),
-            env=env if ours else {k: v for k, v in env.items() if k != "PYTHONPATH"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def wait_line(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if line.startswith(prefix):
-                    return line
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not print {prefix!r}:\n" + "\n".join(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(5)
-
-
-def wait_model(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
-                if json.loads(response.read())["data"]:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the model did not appear in /v1/models")
 
 
 def run_level(
@@ -168,13 +112,6 @@ def run_level(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Stack:
     """A frontend and one mocker, ours or the reference's (``python``), on a fresh discovery
     directory."""
@@ -184,12 +121,11 @@ class Stack:
     ) -> None:
         self.label = label
         self._dir = tempfile.TemporaryDirectory(prefix=f"dynamo-stack-{label}-")
-        env = dict(os.environ, DYN_FILE_KV=self._dir.name, PYTHONUNBUFFERED="1")
-        env.update(extra_env or {})
+        env = service_env(self._dir.name, **(extra_env or {}))
         mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
         mocker_args += ["--speedup-ratio", f"{speedup:g}"]
         ours = python == sys.executable
-        port = 0 if ours else _free_port()
+        port = 0 if ours else free_port()
         frontend_args = ["-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
         frontend_args += ["--http-port", str(port)]
         if not ours:  # the reference's defaults are etcd and NATS
@@ -199,16 +135,15 @@ class Stack:
         self.frontend = Child(f"{label} frontend", frontend_args, env, python)
         try:
             if ours:
-                line = self.frontend.wait_line("dynamo frontend: listening on http://", 60)
-                port = int(line.rsplit(":", 1)[1])
+                port = self.frontend.port()
             self.url = f"http://127.0.0.1:{port}"
             wait_model(self.url, 120)
         except Exception:
             for child in (self.frontend, self.mocker):
-                print("\n".join(child.lines[-30:]), file=sys.stderr)
+                print(child.tail(), file=sys.stderr)
             self.stop()
             raise
-        self.pids = {"frontend": self.frontend.proc.pid, "mocker": self.mocker.proc.pid}
+        self.pids = {"frontend": self.frontend.pid, "mocker": self.mocker.pid}
 
     def stop(self) -> None:
         self.frontend.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from dynamo.engine_core.kv_kernels import cached_prefix, count_missing, evict, release_full
 from dynamo.protocol.kv_events import (
     BlocksRemoved,
     BlocksStored,
@@ -108,17 +109,12 @@ class KVManager:
         """Length of the longest run of leading blocks present (active or inactive)."""
         if not self.enable_prefix_caching:
             return 0
-        n = 0
-        for h in block_hashes:
-            if h not in self._active and h not in self._inactive:
-                break
-            n += 1
-        return n
+        return cached_prefix(self._active, self._inactive, block_hashes)
 
     def num_slots_needed(self, block_hashes: Sequence[int], num_unique: int) -> int:
         """Available slots that ``use(block_hashes)`` + ``num_unique`` unique blocks would take
         (already-active blocks take none)."""
-        return sum(1 for h in block_hashes if h not in self._active) + num_unique
+        return count_missing(self._active, block_hashes) + num_unique
 
     # -- mutations --------------------------------------------------------------------------
     def use(
@@ -136,8 +132,7 @@ class KVManager:
         """
         if not self.enable_prefix_caching:
             raise RuntimeError("full blocks are not used when prefix caching is off")
-        missing = [i for i, h in enumerate(block_hashes) if h not in self._active]
-        if len(missing) > self.num_available_blocks:
+        if count_missing(self._active, block_hashes) > self.num_available_blocks:
             raise RuntimeError("not enough KV blocks")
         # First pin every block we already have, so eviction below never takes one of ours.
         new: list[int] = []
@@ -228,13 +223,7 @@ class KVManager:
             raise KeyError("releasing a private block that is not allocated")
         unique.difference_update(unique_ids)
         self._free_slots.extend(unique_ids)
-        for h in reversed(block_hashes):
-            rc = self._active[h] - 1
-            if rc:
-                self._active[h] = rc
-            else:
-                del self._active[h]
-                self._inactive[h] = None
+        release_full(self._active, self._inactive, block_hashes)
 
     def drain_events(self) -> list[KVCacheEvent]:
         """Events produced since the last drain, in order (the engine publishes them per pass)."""
@@ -260,16 +249,11 @@ class KVManager:
     def _make_room(self, n: int) -> None:
         """Evict LRU inactive blocks until ``n`` slots are free (one Removed event)."""
         free = self.num_blocks - self.num_active_blocks - len(self._inactive)
-        evicted: list[int] = []
-        while free < n:
-            h, _ = self._inactive.popitem(last=False)
-            self._free_slots.append(self._slots.pop(h))
-            del self._locals[h]
-            if h in self._silent:
-                self._silent.discard(h)
-            else:
-                evicted.append(h)
-            free += 1
+        if free >= n:
+            return
+        evicted = evict(
+            self._inactive, self._slots, self._locals, self._silent, self._free_slots, n - free
+        )
         if evicted:
             self._emit(BlocksRemoved(block_hashes=evicted))
 

@@ -291,7 +291,13 @@ class FrontendService:
             return RandomRouter()
         if mode == "kv":
             settings = role_settings(self.config.kv, card.role)
-            series = self.router_requests.bind(card.namespace, card.component, card.endpoint)
+            series = self.router_requests.bind(
+                card.namespace,
+                card.component,
+                card.endpoint,
+                card.role.value,
+                card.served_model_name,
+            )
             return await KVRouter.create(self.runtime, card, settings, self.router_metrics, series)
         return RoundRobinRouter()
 

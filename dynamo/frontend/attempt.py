@@ -29,7 +29,7 @@ from dynamo.frontend.pipeline import ChoiceStats
 from dynamo.frontend.placement import InstanceStreams, continuation_candidates
 from dynamo.observability import tracing
 from dynamo.observability.metrics import FrontendMetrics
-from dynamo.observability.router_metrics import RouterRequestSeries
+from dynamo.observability.router_metrics import RouterRequestSeries, kv_transfer_bound
 from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints, TraceLink
@@ -287,7 +287,8 @@ def _observe_ended(series: RouterRequestSeries, stats: ChoiceStats, began: float
     first, last, tokens = stats.first_token_at, stats.last_token_at, stats.completion_tokens
     ttft = first - began if first is not None else None
     itl = (last - first) / (tokens - 1) if first is not None and last and tokens > 1 else None
-    series.ended(ttft, itl, tokens)
+    transfer = kv_transfer_bound(stats.prefill_done_at, first)
+    series.ended(ttft, itl, tokens, stats.cached_tokens, transfer)
 
 
 def _live(
@@ -338,6 +339,8 @@ async def _attempt(
                 entry, request, selection, ctx, loads, timeouts, on_link=prefill_links.append
             )
             if handoff is not None:
+                if stats.first_token_at is None:  # a continuation's prefill bounds nothing
+                    stats.prefill_done_at = time.monotonic()
                 request = msgspec.structs.replace(request, prefill_result=handoff)
                 # The decode worker's engine.generate span links to the prefill's.
                 link = prefill_links[-1] if prefill_links else None

@@ -23,6 +23,7 @@ from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
 from dynamo.frontend.capabilities import check_supported, serving_capabilities
 from dynamo.frontend.choice import run_choices
+from dynamo.frontend.disconnect import DISCONNECT_WATCH_AFTER_S, DisconnectWatch, watch_disconnect
 from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import ClientDisconnected, Exchange
 from dynamo.frontend.heap_trim import TRIM_AFTER_BYTES
@@ -267,7 +268,7 @@ class GenerateHandler:
         # Route and reach the worker before committing to 200: an error before the first
         # event is an HTTP error response (FACTS §10.2). A client that goes away meanwhile
         # (held in the router queue, a long prefill) stops the request.
-        disconnect = _watch_disconnect(http, ctx)
+        disconnect = DisconnectWatch(http, ctx, DISCONNECT_WATCH_AFTER_S)
         try:
             first = await anext(deltas, None)
         except Exception as exc:
@@ -281,6 +282,7 @@ class GenerateHandler:
         except BaseException:  # cancelled: the watch goes with the request
             disconnect.cancel()
             raise
+        disconnect.activity()
         inflight.first_response()
         sink = KeepAliveSink(
             http.start_stream(200, [*SSE_HEADERS, *inflight.id_headers]), self._keep_alive_s
@@ -293,6 +295,7 @@ class GenerateHandler:
                 head.extend(_delta_chunks(fmt, first, want_ids))
             await sink.send(b"".join(head))
             async for delta in deltas:
+                disconnect.activity()
                 if delta.token_ids is None and delta.finish_reason is None:
                     await sink.send(fmt.delta_chunk(delta.index, delta.text, None, delta.logprobs))
                 else:
@@ -340,7 +343,7 @@ class GenerateHandler:
         logprobs: list[list[TokenLogprobs | None]] = [[] for _ in prepared]
         want_ids = wants(req, "token_ids")
         token_ids: list[int] = []
-        disconnect = _watch_disconnect(http, ctx)
+        disconnect = watch_disconnect(http, ctx)
         deltas = run_choices(
             entry,
             prepared,
@@ -450,11 +453,3 @@ def _final_extras(req: OpenAIRequest, stats: RunStats) -> dict[str, object] | No
             cached_tokens=stats.cached_tokens,
         )
     return out or None
-
-
-def _watch_disconnect(http: Exchange, ctx: Context) -> asyncio.Future[None]:
-    """A future that resolves when the client goes away, stopping the request's context.
-    Cancel it when the response is done."""
-    watch = asyncio.ensure_future(http.disconnected())
-    watch.add_done_callback(lambda f: None if f.cancelled() else ctx.stop_generating())
-    return watch

@@ -56,6 +56,8 @@ class ChoiceStats:
     first_token_at: float | None = None
     last_token_at: float | None = None
     dispatched_at: float | None = None  # routed, sent to the worker (nvext timing)
+    # The handoff of the remote prefill the first token resumed from arrived (disaggregated).
+    prefill_done_at: float | None = None
     itls: list[float] = field(default_factory=list)
     selection: Selection | None = None
     # The worker's engine.generate span of the latest attempt: a retry links to it

@@ -38,7 +38,8 @@ from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 log = logging.getLogger(__name__)
 
 SPEEDUP0_SLICE_S = 0.0005
-"""At speedup 0, the longest the step loop works before letting consumers run."""
+"""The longest the step loop works before letting consumers run when it does not pace passes:
+at speedup 0, and on a real clock while its passes are overdue (behind the model's schedule)."""
 
 KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
 """Receives each pass's KV events of one rank, in order (the worker publishes them)."""
@@ -233,10 +234,11 @@ class MockerEngine(LLMEngine):
         own cost (step(), delivery, sleep overshoot) then never adds to the modelled time."""
         sched = rank.scheduler
         previous_end: float | None = None  # end of the last pass while busy (None: idle)
-        # Tokens leave before the loop publishes KV events and load and plans the next pass
-        # (on a real clock only: on a virtual one nothing leaves sooner, and a yield there
-        # would let another rank's wake-up fire before this rank registered its next pass).
-        send_first = isinstance(self.clock, RealClock)
+        # On a real clock a pass's tokens leave before the loop publishes KV events and load and
+        # plans the next pass, and overdue passes coalesce (see below). Not on a virtual clock:
+        # nothing leaves sooner there, and a yield would let another rank's wake-up fire before
+        # this rank registered its next pass.
+        real_clock = isinstance(self.clock, RealClock)
         try:
             await self._publish_load(rank)  # routers learn the capacity before any request
             while True:
@@ -253,9 +255,23 @@ class MockerEngine(LLMEngine):
                     previous_end = None
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
+                hand_out = False  # let consumers take the tokens right after this pass
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
                     previous_end = out.start + out.duration
-                    await self.clock.sleep(pass_sleep(self.clock.now(), previous_end, out.duration))
+                    delay = pass_sleep(self.clock.now(), previous_end, out.duration)
+                    if delay > 0 or not real_clock:
+                        await self.clock.sleep(delay)
+                        hand_out = real_clock
+                    else:
+                        # Overdue already: the loop is behind the model's schedule (a high
+                        # speedup on a busy host), so it runs as fast as it can, as at speedup
+                        # 0, and hands tokens out likewise: after a prefill (first tokens at
+                        # once) and every SPEEDUP0_SLICE_S of work. The overdue tokens of the
+                        # passes in between leave together (one frame per request, not one
+                        # frame and one consumer wake-up per token).
+                        hand_out = (
+                            out.num_prefill_tokens > 0 or time.perf_counter() >= rank.next_yield
+                        )
                 else:
                     previous_end = None
                     if out.num_prefill_tokens or time.perf_counter() >= rank.next_yield:
@@ -265,8 +281,9 @@ class MockerEngine(LLMEngine):
                         await asyncio.sleep(0)
                         rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 self._deliver(rank, out)
-                if send_first and out.duration > 0:  # (speedup 0 coalesces on purpose)
+                if hand_out:
                     await _let_tokens_leave()
+                    rank.next_yield = time.perf_counter() + SPEEDUP0_SLICE_S
                 await self._publish(rank, out)
         except asyncio.CancelledError:
             raise

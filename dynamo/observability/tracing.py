@@ -57,6 +57,7 @@ class _State:
 
     def __init__(self) -> None:
         self.configured = False
+        self.disabled = False  # OTEL_SDK_DISABLED, read once at set-up (not per span)
         self.resource: dict[str, Any] = {}
         self.sampler = Sampler()
         self.exporter: otlp.BatchExporter | None = None
@@ -95,7 +96,8 @@ def setup_tracing(service_name: str) -> None:
     resource["service.name"] = os.environ.get("OTEL_SERVICE_NAME") or service_name
     state.resource = resource
     state.sampler = Sampler.from_env()
-    if export_enabled() and not sdk_disabled():
+    state.disabled = sdk_disabled()
+    if export_enabled() and not state.disabled:
         state.exporter = otlp.BatchExporter(otlp.Encoder(resource), otlp.transport())
         atexit.register(shutdown_tracing)
     state.configured = True
@@ -179,7 +181,7 @@ def tracer() -> trace.Tracer:
         setup_tracing("dynamo")
         if _state.recorder is not None:
             return _state.recorder
-    return _NOOP if sdk_disabled() else _LOCAL
+    return _NOOP if _state.disabled else _LOCAL
 
 
 class _LocalTracer(trace.Tracer):

@@ -23,7 +23,7 @@ from dynamo.router.approx import ApproxIndex
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
-from dynamo.router.selector import Candidate, Selection, select_worker
+from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
 from dynamo.router.sequences import ActiveSequences
 from dynamo.runtime.errors import NoInstances
 
@@ -77,6 +77,7 @@ class RoutingCore:
         )
         self.workers: dict[int, WorkerSpec] = {}
         self._targets: list[tuple[WorkerSpec, int]] = []  # every (worker, rank), in join order
+        self._target_keys: list[tuple[int, int]] = []  # their (worker_id, rank), same order
 
     # -- membership ------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> bool:
@@ -86,6 +87,7 @@ class RoutingCore:
         self.workers[worker.worker_id] = worker
         self.sequences.add_worker(worker.worker_id, worker.ranks)
         self._targets.extend((worker, rank) for rank in worker.ranks)
+        self._target_keys = [(w.worker_id, r) for w, r in self._targets]
         return True
 
     def remove_worker(self, worker_id: int) -> bool:
@@ -93,6 +95,7 @@ class RoutingCore:
         if self.workers.pop(worker_id, None) is None:
             return False
         self._targets = [t for t in self._targets if t[0].worker_id != worker_id]
+        self._target_keys = [(w.worker_id, r) for w, r in self._targets]
         self.sequences.remove_worker(worker_id)
         if self.indexer is not None:
             self.indexer.remove_worker(worker_id)
@@ -135,8 +138,11 @@ class RoutingCore:
         seqs = list(seq_hashes) if seq_hashes is not None else sequence_hashes(local_hashes)
         if overlaps is None:
             overlaps = self.find_matches(local_hashes)
-        options = self._candidates(targets, seqs, overlaps)
-        chosen = select_worker(options, isl_tokens, self.block_size, self.selector, self.rng)
+        if self.selector.has_busy_thresholds:  # filtering needs each candidate's whole load
+            options = self._candidates(targets, seqs, overlaps)
+            chosen = select_worker(options, isl_tokens, self.block_size, self.selector, self.rng)
+        else:
+            chosen = self._select(targets, seqs, overlaps, isl_tokens)
         if record:
             self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
         return chosen
@@ -224,6 +230,37 @@ class RoutingCore:
                 raise NoInstances("no live worker matches the request's instance / DP-rank hints")
             raise NoInstances("no live instance")
         return targets
+
+    def _select(
+        self,
+        targets: list[tuple[WorkerSpec, int]],
+        seqs: list[int],
+        overlaps: dict[tuple[int, int], int],
+        isl_tokens: int,
+    ) -> Selection:
+        """``select_worker`` without busy thresholds, over columns: the per-target work is list
+        building and the cost kernel (``selector.column_costs``), no ``Candidate`` objects."""
+        if targets is self._targets:
+            keys = self._target_keys
+        else:
+            keys = [(w.worker_id, r) for w, r in targets]
+        prefill, decode, new, requests = self.sequences.load_columns(seqs, keys)
+        if not self.settings.track_active_blocks:
+            decode = new = [0] * len(keys)
+        get = overlaps.get
+        overlap = [get(key, 0) for key in keys] if overlaps else [0] * len(keys)
+        bs = self.block_size
+        costs = column_costs(overlap, prefill, decode, new, requests, isl_tokens, bs, self.selector)
+        i = choose(costs, self.selector, self.rng)
+        worker_id, dp_rank = keys[i]
+        return Selection(
+            worker_id=worker_id,
+            dp_rank=dp_rank,
+            cost=costs[i],
+            overlap_blocks=overlap[i],
+            cached_tokens=min(overlap[i] * bs, max(isl_tokens, 0)),
+            costs=dict(zip(keys, costs, strict=True)),
+        )
 
     def _candidates(
         self,

@@ -5,7 +5,8 @@ only a live process has: KV event batches from the event plane, recovery of a wo
 index after a gap or when a worker joins, replica sync with other routers, and metrics.
 
 Background tasks (owned here, cancelled by :meth:`close`): applying KV event batches, recovering a
-worker rank's index, and replica sync. Workers join and leave through
+worker rank's index, the cache-consistency check, watching which workers lack their KV query
+endpoint (``event_sources.py``), and replica sync. Workers join and leave through
 :meth:`KVRouter.add_worker` / :meth:`KVRouter.remove_worker`, called by the frontend's model
 registry from its discovery watch.
 """
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 
 import msgspec
 
@@ -40,10 +41,11 @@ from dynamo.router.basic import Selection
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.consistency import RankConsistency, drift_blocks
 from dynamo.router.core import RoutingCore, WorkerSpec
+from dynamo.router.event_sources import EventSourceMonitor
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
-from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp
-from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.router.replica_sync import RouterReplicaSync, SyncEvent, SyncOp, apply_sync_event
+from dynamo.router.sequences import ActiveSequences
 from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
@@ -97,6 +99,8 @@ class KVRouter:
         self._history: dict[int, list[KVCacheEvent]] | None = None
         self.consistency: dict[tuple[int, int], RankConsistency] = {}
         """The latest cache-consistency check per worker rank (``check_consistency``)."""
+        self.event_sources = EventSourceMonitor(model)
+        """Which workers lack their KV query endpoint (watched while KV events are followed)."""
         self.queue: RouterQueue | None = (
             RouterQueue(self) if settings.queue_threshold is not None else None
         )
@@ -148,11 +152,10 @@ class KVRouter:
                 self._follow_events(), name=f"kv-router-events:{self.model}"
             )
             if self.settings.consistency_check_interval_s > 0:
-                task = asyncio.create_task(
-                    self._check_loop(), name=f"kv-router-consistency:{self.model}"
-                )
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._check_loop(), f"kv-router-consistency:{self.model}")
+            publish = self.series.event_source_mismatches if self.series is not None else None
+            watch = self.event_sources.watch(self._workers, self._recovery.instance_ids, publish)
+            self._spawn(watch, f"kv-router-event-sources:{self.model}")
         if self.settings.replica_sync:
             on_drop = self._metrics.replica_sync_dropped.inc if self._metrics is not None else None
             self._sync = RouterReplicaSync(
@@ -165,6 +168,8 @@ class KVRouter:
             await self._sync.start()
 
     async def close(self) -> None:
+        for worker_id in list(self._workers):  # the model retired: its ranks are unregistered
+            self.remove_worker(worker_id)
         tasks = list(self._tasks)
         if self._events_task is not None:
             tasks.append(self._events_task)
@@ -235,8 +240,13 @@ class KVRouter:
             self._metrics.kv_hit_rate.labels(self.model).observe(
                 chosen.cached_tokens / isl if isl else 0.0
             )
-        if self.series is not None:
-            self.series.routed(isl, chosen.cached_tokens / isl if isl else 0.0)
+        if self.series is not None:  # a pinned request had no choice: it loses no overlap
+            pinned = hints is not None and (hints.backend_instance_id, hints.dp_rank) != (
+                None,
+                None,
+            )
+            among = None if pinned else [overlaps.get(key, 0) for key in chosen.costs]
+            self.series.routed(isl, chosen.overlap_blocks, self.block_size, among)
         return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 
     def on_first_token(self, request_id: str) -> None:
@@ -269,6 +279,9 @@ class KVRouter:
             card.max_num_batched_tokens,
         )
         self.core.add_worker(spec)
+        if self.series is not None:
+            for rank in spec.ranks:
+                self.series.worker_registered(worker_id, rank, True)
         if self.indexer is not None and self._recovery is not None:
             stored = self._history.pop(worker_id, None) if self._history is not None else None
             for event in stored or ():
@@ -303,9 +316,16 @@ class KVRouter:
 
     def remove_worker(self, instance_id: int) -> None:
         """Forget a departed worker: its index and load."""
-        if self._workers.pop(instance_id, None) is None:
+        card = self._workers.pop(instance_id, None)
+        if card is None:
             return
         self.core.remove_worker(instance_id)
+        if self.series is not None:
+            for rank in range(
+                card.data_parallel_start_rank,
+                card.data_parallel_start_rank + card.data_parallel_size,
+            ):
+                self.series.worker_registered(instance_id, rank, False)
         if self.queue is not None:
             self.queue.drain()  # a saturated worker gone: the others may take the front
         for key in [k for k in self.consistency if k[0] == instance_id]:
@@ -342,9 +362,10 @@ class KVRouter:
                     applied.labels(status.value, _EVENT_TYPE[type(event.data)]).inc()
 
     def _spawn_recovery(self, worker_id: int, rank: int) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._recover(worker_id, rank), name=f"kv-recovery:{worker_id:x}:{rank}"
-        )
+        self._spawn(self._recover(worker_id, rank), f"kv-recovery:{worker_id:x}:{rank}")
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -461,22 +482,7 @@ class KVRouter:
 
     # -- replica sync --------------------------------------------------------------------------
     def _apply_sync(self, event: SyncEvent) -> None:
-        if event.op is SyncOp.ADD:
-            try:
-                self.sequences.add_request(
-                    event.request_id,
-                    event.worker_id,
-                    event.dp_rank,
-                    event.sequence_hashes,
-                    new_isl_tokens=event.isl_tokens,
-                    overlap_blocks=event.overlap_blocks,
-                )
-            except (DuplicateRequest, UnknownWorkerRank):
-                pass
-        elif event.op is SyncOp.PREFILL_COMPLETED:
-            self.sequences.mark_prefill_completed(event.request_id)
-        else:
-            self.sequences.free(event.request_id)
+        apply_sync_event(self.sequences, event)
         if self.queue is not None and event.op is not SyncOp.ADD:
             self.queue.drain()  # another router's request left our workers' load
 

@@ -16,6 +16,7 @@ from enum import IntEnum
 
 import msgspec
 
+from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.event_plane.base import EventPlane, Subscription
 from dynamo.runtime.naming import new_instance_id
 
@@ -144,3 +145,24 @@ class RouterReplicaSync:
                 self.applied += 1
             except Exception:
                 log.warning("could not apply a replica-sync event", exc_info=True)
+
+
+def apply_sync_event(sequences: ActiveSequences, event: SyncEvent) -> None:
+    """Apply another router's change to our view of the workers' load (an add of a request we
+    have, or on a rank we do not know, is ignored)."""
+    if event.op is SyncOp.ADD:
+        try:
+            sequences.add_request(
+                event.request_id,
+                event.worker_id,
+                event.dp_rank,
+                event.sequence_hashes,
+                new_isl_tokens=event.isl_tokens,
+                overlap_blocks=event.overlap_blocks,
+            )
+        except (DuplicateRequest, UnknownWorkerRank):
+            pass
+    elif event.op is SyncOp.PREFILL_COMPLETED:
+        sequences.mark_prefill_completed(event.request_id)
+    else:
+        sequences.free(event.request_id)

@@ -8,9 +8,20 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from dynamo import native
 from dynamo.router.slots import WorkerKey
 from dynamo.runtime.errors import NoInstances, Overloaded
+
+_kernel = native.load("dynamo.router._cost", "dynamo.router._cost_fallback")
+IMPLEMENTATION: str = _kernel.__name__
+"""The cost kernel in use (``dynamo.router._cost`` or ``dynamo.router._cost_fallback``)."""
+if TYPE_CHECKING:
+    from dynamo.router._cost import argmin_random_tie as _argmin_random_tie
+    from dynamo.router._cost import costs as _costs
+else:
+    _argmin_random_tie, _costs = _kernel.argmin_random_tie, _kernel.costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,26 @@ class SelectorConfig:
         f = self.active_prefill_tokens_threshold_frac
         if f is not None and f < 0:
             raise ValueError("active_prefill_tokens_threshold_frac must be >= 0")
+
+    @property
+    def cost_params(self) -> tuple[float, float, float, float, bool]:
+        """The cost kernel's ``params`` (``_cost.pyi``)."""
+        return (
+            float(self.overlap_score_credit),
+            float(self.prefill_load_scale),
+            float(self.decode_active_request_weight),
+            float(self.overlap_score_credit_decay),
+            self.track_prefill_tokens,
+        )
+
+    @property
+    def has_busy_thresholds(self) -> bool:
+        """Whether any busy threshold is set (by default nobody is ever busy)."""
+        return (
+            self.active_decode_blocks_threshold is not None
+            or self.active_prefill_tokens_threshold is not None
+            or self.active_prefill_tokens_threshold_frac is not None
+        )
 
 
 @dataclass(slots=True)
@@ -115,31 +146,18 @@ def is_busy(c: Candidate, cfg: SelectorConfig) -> bool:
 def candidate_costs(
     candidates: Sequence[Candidate], isl_tokens: int, block_size: int, cfg: SelectorConfig
 ) -> list[float]:
-    """The cost (logit) of each candidate, lower is better (§4.2)."""
-    if block_size <= 0:
-        raise ValueError("block_size must be > 0")
-    b = float(block_size)
-    request_blocks = max(1.0, isl_tokens / b)
-    decay_on = cfg.overlap_score_credit_decay > 0 and cfg.track_prefill_tokens
-    min_prefill = min(c.active_prefill_tokens for c in candidates) if decay_on else 0
-    out: list[float] = []
-    for c in candidates:
-        decay = 1.0
-        if decay_on:
-            excess = (c.active_prefill_tokens - min_prefill) / b
-            decay = 1.0 / (1.0 + cfg.overlap_score_credit_decay * excess / request_blocks)
-        # (the reference also credits host- and disk-tier hits; there are no such tiers here)
-        credit = cfg.overlap_score_credit * decay * c.overlap_blocks
-        requests = cfg.decode_active_request_weight * c.active_requests
-        if cfg.track_prefill_tokens:
-            prefill = max(0.0, (c.active_prefill_tokens + isl_tokens) / b - credit)
-            cost = cfg.prefill_load_scale * prefill + c.potential_decode_blocks + requests
-        elif cfg.overlap_score_credit > 0:  # decode-only router: the credit offsets decode load
-            cost = max(0.0, c.potential_decode_blocks - credit) + requests
-        else:
-            cost = c.potential_decode_blocks + requests
-        out.append(cost)
-    return out
+    """The cost (logit) of each candidate, lower is better (§4.2; computed by the cost kernel,
+    ``_cost.pyi``)."""
+    return _costs(
+        [c.overlap_blocks for c in candidates],
+        [c.active_prefill_tokens for c in candidates],
+        [c.active_decode_blocks for c in candidates],
+        [c.new_decode_blocks for c in candidates],
+        [c.active_requests for c in candidates],
+        isl_tokens,
+        block_size,
+        cfg.cost_params,
+    )
 
 
 def select_worker(
@@ -158,12 +176,7 @@ def select_worker(
     """
     if not candidates:
         raise NoInstances("no worker instances are available for this request")
-    thresholds = (
-        cfg.active_decode_blocks_threshold,
-        cfg.active_prefill_tokens_threshold,
-        cfg.active_prefill_tokens_threshold_frac,
-    )
-    if thresholds == (None, None, None):  # the default: nobody is ever busy
+    if not cfg.has_busy_thresholds:  # the default: nobody is ever busy
         eligible = list(candidates)
     else:
         eligible = [c for c in candidates if not is_busy(c, cfg)]
@@ -173,10 +186,7 @@ def select_worker(
             "(above the active decode-blocks / prefill-tokens thresholds); retry later"
         )
     costs = candidate_costs(eligible, isl_tokens, block_size, cfg)
-    t = cfg.temperature if temperature is None else temperature
-    if t < 0:
-        raise ValueError("temperature must be >= 0")
-    i = _argmin_random_tie(costs, rng) if t == 0 else _softmax_sample(costs, t, rng)
+    i = choose(costs, cfg, rng, temperature)
     chosen = eligible[i]
     return Selection(
         worker_id=chosen.worker_id,
@@ -188,19 +198,33 @@ def select_worker(
     )
 
 
-def _argmin_random_tie(costs: Sequence[float], rng: random.Random) -> int:
-    """Index of the minimum; ties broken uniformly (reservoir sampling over the tied minima)."""
-    best = math.inf
-    chosen = 0
-    ties = 0
-    for i, c in enumerate(costs):
-        if c < best:
-            best, chosen, ties = c, i, 1
-        elif c == best:
-            ties += 1
-            if rng.randrange(ties) == 0:
-                chosen = i
-    return chosen
+def choose(
+    costs: Sequence[float],
+    cfg: SelectorConfig,
+    rng: random.Random,
+    temperature: float | None = None,
+) -> int:
+    """The index chosen among ``costs``: argmin with uniform random tie-breaks (temperature 0)
+    or a softmax sample (§4.3). ``temperature`` overrides ``cfg.temperature``."""
+    t = cfg.temperature if temperature is None else temperature
+    if t < 0:
+        raise ValueError("temperature must be >= 0")
+    return _argmin_random_tie(costs, rng) if t == 0 else _softmax_sample(costs, t, rng)
+
+
+def column_costs(
+    overlap: Sequence[int],
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    new: Sequence[int],
+    requests: Sequence[int],
+    isl_tokens: int,
+    block_size: int,
+    cfg: SelectorConfig,
+) -> list[float]:
+    """:func:`candidate_costs` over columns (one item per candidate in each), for a caller that
+    holds its loads as columns (``RoutingCore``: no ``Candidate`` per target)."""
+    return _costs(overlap, prefill, decode, new, requests, isl_tokens, block_size, cfg.cost_params)
 
 
 def _softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:

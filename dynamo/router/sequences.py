@@ -350,6 +350,26 @@ class ActiveSequences:
             )
         ]
 
+    def load_columns(
+        self, sequence_hashes: Sequence[int], keys: Sequence[WorkerRank]
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``project_loads`` as columns, for the tracked ranks ``keys`` in that order (KeyError
+        for one that is not tracked): active prefill tokens, active decode blocks, the
+        request's blocks new there, active requests. Read-only."""
+        table = self._ranks
+        ranks = [table[key] for key in keys]
+        if self._assume_kv_reuse:
+            query = BlockCounts.of_prefixes(sequence_hashes)
+            new = [rank.blocks.count_absent(query) for rank in ranks]
+        else:
+            new = [len(sequence_hashes)] * len(ranks)
+        return (
+            [rank.prefill_tokens for rank in ranks],
+            [len(rank.blocks) + rank.private_blocks for rank in ranks],
+            new,
+            [rank.num_requests for rank in ranks],
+        )
+
     def _new_blocks(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[int]:
         """Per rank (in order), the request's blocks that would be new there.
 

@@ -13,23 +13,19 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from nats.aio.client import Client as NatsClient
+from typing import TYPE_CHECKING
 
 from dynamo.protocol.kv_events import KV_EVENTS_TOPIC
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.discovery.base import Discovery, Lease
-from dynamo.runtime.discovery.etcd import EtcdDiscovery
 from dynamo.runtime.discovery.file import FileDiscovery
 from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
 from dynamo.runtime.endpoint import InstanceInfo, encode_instance
 from dynamo.runtime.event_plane.base import EventPlane
 from dynamo.runtime.event_plane.local import LocalEventBus, LocalEventPlane
-from dynamo.runtime.event_plane.nats import NatsEventPlane
 from dynamo.runtime.event_plane.zmq import ZmqEventPlane
 from dynamo.runtime.naming import EndpointId, new_instance_id
-from dynamo.runtime.nats_client import connect_nats
 from dynamo.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
 from dynamo.runtime.request_plane.local import (
     LocalHub,
@@ -43,10 +39,15 @@ from dynamo.runtime.work_queue.base import (
     DEFAULT_REDELIVERY_TIMEOUT,
     WorkQueue,
 )
-from dynamo.runtime.work_queue.jetstream import JetStreamWorkQueue
 from dynamo.runtime.work_queue.local import LocalQueueStore, LocalWorkQueue
 from dynamo.runtime.work_queue.served import QueueHost, ServedWorkQueue
 from dynamo.runtime.work_queue.served import endpoint_id as served_queue_endpoint
+
+if TYPE_CHECKING:
+    # NATS (client, event plane, JetStream queues) is imported where it is used: a process on
+    # file discovery and ZMQ events never loads it (~4 MiB; runtime/huge_pages.py says why a
+    # worker's memory matters).
+    from nats.aio.client import Client as NatsClient
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class DistributedRuntime:
         self._lease = await self._discovery.grant_lease(self.config.lease_ttl)
         self._lease_watch = asyncio.create_task(self._watch_lease(), name="runtime-lease-watch")
         if self.config.event_plane == "nats":
+            from dynamo.runtime.nats_client import connect_nats
+
             self._nats = await connect_nats(self.config.nats_server, name=self.namespace)
         self._events = self._make_event_plane()
         await self._events.start()
@@ -271,6 +274,12 @@ class DistributedRuntime:
             assert self._hub is not None
             return MemoryDiscovery(self._hub.store)
         if backend == "etcd":
+            # Imported here: its HTTP client (httpx, which loads its command-line tool's
+            # click/rich/pygments too) is ~13 MiB and ~0.4 s of start-up that a process on
+            # file or memory discovery never uses; a worker's memory is what a SIGKILL tears
+            # down before its sockets close (runtime/huge_pages.py).
+            from dynamo.runtime.discovery.etcd import EtcdDiscovery
+
             return EtcdDiscovery(list(self.config.etcd_endpoints))
         return FileDiscovery(self.config.discovery_dir)
 
@@ -279,6 +288,8 @@ class DistributedRuntime:
             assert self._hub is not None
             return LocalEventPlane(self._hub.events)
         if self.config.event_plane == "nats":
+            from dynamo.runtime.event_plane.nats import NatsEventPlane
+
             assert self._nats is not None
             return NatsEventPlane(
                 self._nats, self.config.namespace, stored_topics=(KV_EVENTS_TOPIC,)
@@ -315,6 +326,8 @@ class DistributedRuntime:
         self, name: str, *, max_depth: int, redelivery_timeout: float, host: bool
     ) -> WorkQueue:
         if self._nats is not None:
+            from dynamo.runtime.work_queue.jetstream import JetStreamWorkQueue
+
             return JetStreamWorkQueue(
                 self._nats, name, max_depth=max_depth, redelivery_timeout=redelivery_timeout
             )

@@ -11,6 +11,7 @@ Every error body is ``{"error": "..."}``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Annotated
@@ -18,11 +19,15 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
+from dynamo import native
 from dynamo.router.block_counts import BlockCounts
+from dynamo.runtime.http_server import FastRoutes
 from dynamo.slot_tracker.registry import Registry, TrackerError
 from dynamo.slot_tracker.replica import PeerError, ReplicaSync
 
 log = logging.getLogger(__name__)
+_loads = native.load_optional("dynamo.slot_tracker._loads")
+"""``potential_loads(trackers, body)`` in C (``_loads.c``), or None: the handler answers all."""
 
 # msgspec bounds stop at int64: the u64 upper bound is checked by hand (_check_u64).
 U64 = Annotated[int, msgspec.Meta(ge=0)]
@@ -130,7 +135,11 @@ def _filters(query: bytes) -> tuple[str | None, str | None]:
 
 
 class SlotTrackerApp:
-    """Routes requests to the registry (and the replica sync, when enabled). Never raises."""
+    """Routes requests to the registry (and the replica sync, when enabled). Never raises.
+
+    ``fast_routes``: POST /potential_loads in C when ``_loads`` is built (the same answers as
+    ``potential_loads``; anything it does not take, errors included, falls to ``handle``).
+    """
 
     def __init__(self, registry: Registry, replica: ReplicaSync | None = None) -> None:
         self._registry = registry
@@ -155,6 +164,10 @@ class SlotTrackerApp:
             b"/peers": {b"GET": self.peers},
             b"/health": {b"GET": self.health},
         }
+        self.fast_routes: FastRoutes = {}
+        if _loads is not None:
+            route = functools.partial(_loads.potential_loads, registry.trackers_by_key)
+            self.fast_routes[b"/potential_loads"] = route
 
     def handle(
         self, method: bytes, path: bytes, query: bytes, content_type: bytes | None, body: bytes

@@ -105,6 +105,11 @@ class Registry:
         self.replica_dropped = 0
         self.replica_applied = 0
 
+    @property
+    def trackers_by_key(self) -> dict[TrackerKey, _Tracker]:
+        """The live table of trackers (read, never written, by ``_loads.c``'s /potential_loads)."""
+        return self._trackers
+
     def set_publisher(self, publish: Publisher | None) -> None:
         self._publish = publish
 

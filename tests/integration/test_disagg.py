@@ -71,6 +71,14 @@ def frontend_metric(stack: Stack, line_start: str) -> float:
     return 0.0
 
 
+def frontend_sum(stack: Stack, line_start: str) -> float:
+    """The sum over every series whose line starts so (e.g. each router's)."""
+    assert stack.frontend is not None
+    text = generate_latest(stack.frontend.metrics.registry).decode()
+    lines = [line for line in text.splitlines() if line.startswith(line_start)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
 async def disagg_stack(stack: Stack, *frontend_flags: object, **frontend: object) -> None:
     await stack.add_worker(*MOCKER, "--disaggregation-mode", "prefill")
     await stack.add_worker(*MOCKER, "--disaggregation-mode", "decode")
@@ -101,6 +109,10 @@ async def test_long_prompts_prefill_remotely_short_ones_locally(
     assert frontend_metric(stack, placed + '"remote"}') == 3
     assert frontend_metric(stack, placed + '"local"}') == 3
     assert [blocks_in_use(w) for w in stack.workers] == [0, 0]
+    if router_mode == "kv":  # a KV router's family: one bound per remote prefill, none local
+        transfer = "dynamo_component_router_kv_transfer_estimated_latency_seconds"
+        assert frontend_sum(stack, transfer + "_count{") == 3
+        assert 0 < frontend_sum(stack, transfer + "_sum{") < 30
 
 
 async def test_cached_tokens_are_the_prefill_workers_prefix_hit(stack: Stack) -> None:

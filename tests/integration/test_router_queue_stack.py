@@ -7,26 +7,20 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from typing import Any
 
 import pytest
 
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.router.kv_router import KVRouter
 from tests.integration.conftest import Stack, kv_settings
 
 pytestmark = pytest.mark.integration
 
-# One worker whose prefill is slow (a 1000-token prompt takes ~0.5 s) and whose decode is fast;
-# with threshold 0, any prefill in flight saturates it: one request is admitted at a time.
-MOCKER = (
-    "--speedup-ratio",
-    "0.05",
-    "--decode-speedup-ratio",
-    "1000",
-    "--block-size",
-    "16",
-    "--max-num-batched-tokens",
-    "2048",
-)
+# One worker; with threshold 0 any prefill in flight saturates it: requests are admitted one
+# at a time, each when the previous one's first token comes back.
+MOCKER = ("--speedup-ratio", "0", "--block-size", "16", "--max-num-batched-tokens", "2048")
+PHANTOM = "phantom"  # a prefill the test puts on the worker's load, and takes off
 PENDING = re.compile(
     r'^dynamo_frontend_router_queue_pending_requests\{policy_class="default",'
     r'worker_type="(\w+)"\} ([0-9.]+)$',
@@ -39,9 +33,9 @@ def _prompt(tag: str, words: int) -> str:
 
 
 async def _first_chunk_at(stack: Stack, tag: str, words: int, **extra: object) -> float:
-    """Stream a completion; the time its first token arrives."""
+    """Stream a completion (client request id ``tag``); the time its first token arrived."""
     assert stack.client is not None
-    headers = extra.pop("headers", {})
+    headers = {"x-request-id": tag, **extra.pop("headers", {})}  # type: ignore[dict-item]
     body = {"model": "demo", "prompt": _prompt(tag, words), "max_tokens": 2, "stream": True}
     body.update(extra)
     async with stack.client.stream(
@@ -71,6 +65,36 @@ def _router(stack: Stack) -> KVRouter:
     return router
 
 
+def _saturate(router: KVRouter) -> None:
+    """Count a long prefill on the one worker (as if a request were in its prefill): every
+    request is held until the test calls ``_release``."""
+    worker_id = next(iter(router.core.workers))
+    router.sequences.add_request(PHANTOM, worker_id, 0, [], new_isl_tokens=4096)
+
+
+def _release(router: KVRouter) -> None:
+    router.on_first_token(PHANTOM)  # its prefill is over: capacity frees, the queue drains
+
+
+def _spy_routing_order(router: KVRouter) -> list[str]:
+    """The client ids of the requests in the order the router placed them."""
+    order: list[str] = []
+    select = router.select
+
+    def spy(request: Any, candidates: Any) -> Any:
+        order.append((request.request_id or "").rsplit("-", 1)[0])
+        return select(request, candidates)
+
+    router.select = spy  # type: ignore[method-assign]
+    return order
+
+
+async def _held(queue: Any, n: int) -> None:
+    async with asyncio.timeout(10):
+        while len(queue) < n:
+            await asyncio.sleep(0.002)
+
+
 async def test_held_requests_are_served_in_policy_order_and_the_gauge_follows(
     stack: Stack,
 ) -> None:
@@ -79,33 +103,29 @@ async def test_held_requests_are_served_in_policy_order_and_the_gauge_follows(
         router_mode="kv", kv=kv_settings(queue_threshold=0.0, queue_max_requests=3)
     )
     await stack.wait_for_model()
-    queue = _router(stack).queue
+    router = _router(stack)
+    queue = router.queue
     assert queue is not None
     metrics = (await client.get("/metrics")).text
     assert _pending(metrics) == {"agg": 0.0}
     assert "dynamo_component_router_requests_started_total{" in metrics  # there from the start
+    registered = re.findall(
+        r"^dynamo_component_router_worker_registered\{[^}]*\} (\S+)$", metrics, re.M
+    )
+    assert registered == ["1.0"]  # the one worker's one rank
 
-    blocker = asyncio.ensure_future(_first_chunk_at(stack, "blocker", 1000))
-    async with asyncio.timeout(10):  # the blocker is routed: its prefill saturates the worker
-        while not _router(stack).sequences.active_prefill_tokens(
-            next(iter(_router(stack).core.workers))
-        ):
-            await asyncio.sleep(0.005)
+    order = _spy_routing_order(router)
+    _saturate(router)
     plain = asyncio.ensure_future(_first_chunk_at(stack, "plain", 60))
-    while len(queue) < 1:
-        await asyncio.sleep(0.002)
+    await _held(queue, 1)
     jumped = asyncio.ensure_future(
         _first_chunk_at(stack, "jumped", 60, headers={"x-dynamo-request-priority": "100"})
     )
-    while len(queue) < 2:
-        await asyncio.sleep(0.002)
+    await _held(queue, 2)
     strict = asyncio.ensure_future(
         _first_chunk_at(stack, "strict", 60, nvext={"agent_hints": {"strict_priority": 1}})
     )
-    async with asyncio.timeout(10):
-        while len(queue) < 3:
-            await asyncio.sleep(0.002)
-    assert not blocker.done(), "the blocker's prefill ended before the others were held"
+    await _held(queue, 3)
     assert _pending((await client.get("/metrics")).text) == {"agg": 3.0}
     # the queue limit: a fourth held request is refused with 529 and an OpenAI error body
     refused = await client.post(
@@ -113,10 +133,12 @@ async def test_held_requests_are_served_in_policy_order_and_the_gauge_follows(
     )
     assert refused.status_code == 529, refused.text
     assert refused.json()["error"]["type"] == "overloaded"
+    assert not (plain.done() or jumped.done() or strict.done())
 
-    times = await asyncio.wait_for(asyncio.gather(blocker, plain, jumped, strict), 60)
-    at = dict(zip(("blocker", "plain", "jumped", "strict"), times, strict=True))
-    assert sorted(at, key=at.__getitem__) == ["blocker", "strict", "jumped", "plain"]
+    _release(router)
+    await asyncio.wait_for(asyncio.gather(plain, jumped, strict), 60)
+    assert order == ["strict", "jumped", "plain"]  # strict tier, then the priority jump
+    router.on_finish(PHANTOM)
     metrics = (await client.get("/metrics")).text
     assert _pending(metrics) == {"agg": 0.0}
     assert re.search(
@@ -125,16 +147,9 @@ async def test_held_requests_are_served_in_policy_order_and_the_gauge_follows(
         metrics,
         re.M,
     )
-    started = re.search(
-        r"^dynamo_component_router_requests_started_total\{[^}]*\} (\S+)$", metrics, re.M
-    )
-    ended = re.search(r"^dynamo_component_router_requests_total\{[^}]*\} (\S+)$", metrics, re.M)
-    assert started and float(started.group(1)) == 4.0
-    assert ended and float(ended.group(1)) == 4.0
-    ttft = re.search(
-        r"^dynamo_component_router_time_to_first_token_seconds_count\{[^}]*\} (\S+)$", metrics, re.M
-    )
-    assert ttft and float(ttft.group(1)) == 4.0
+    for family in ("requests_started_total", "requests_total", "time_to_first_token_seconds_count"):
+        found = re.search(rf"^dynamo_component_router_{family}\{{[^}}]*\}} (\S+)$", metrics, re.M)
+        assert found and float(found.group(1)) == 3.0, family
 
 
 async def test_a_client_that_disconnects_while_held_leaves_the_queue(stack: Stack) -> None:
@@ -144,22 +159,44 @@ async def test_a_client_that_disconnects_while_held_leaves_the_queue(stack: Stac
     router = _router(stack)
     queue = router.queue
     assert queue is not None
-    blocker = asyncio.ensure_future(_first_chunk_at(stack, "blocker", 1000))
-    async with asyncio.timeout(10):
-        while not router.sequences.active_prefill_tokens(next(iter(router.core.workers))):
-            await asyncio.sleep(0.005)
+    _saturate(router)
     gone = asyncio.ensure_future(_first_chunk_at(stack, "gone", 60))
-    async with asyncio.timeout(10):
-        while len(queue) < 1:
-            await asyncio.sleep(0.002)
+    await _held(queue, 1)
+    assert _pending((await client.get("/metrics")).text) == {"agg": 1.0}
     gone.cancel()  # the client closes its connection while its request is held
     with pytest.raises(asyncio.CancelledError):
         await gone
     async with asyncio.timeout(10):
         while len(queue):
             await asyncio.sleep(0.005)
-    await asyncio.wait_for(blocker, 30)
-    async with asyncio.timeout(10):  # nothing is left counted on the worker
-        while router.sequences.request_ids():
-            await asyncio.sleep(0.01)
+    _release(router)
+    router.on_finish(PHANTOM)
+    assert router.sequences.request_ids() == []  # the request that left was never placed
     assert _pending((await client.get("/metrics")).text) == {"agg": 0.0}
+    later = await _first_chunk_at(stack, "later", 60)  # the worker serves on
+    assert later > 0
+
+
+async def test_a_remote_prefill_waits_in_the_prefill_routers_queue(stack: Stack) -> None:
+    """Disaggregated: the prefill workers' router holds a remote prefill while they are
+    saturated; the decode workers' router has no queue (no prefill load there)."""
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "prefill")
+    await stack.add_worker(*MOCKER, "--disaggregation-mode", "decode")
+    client = await stack.start_frontend(router_mode="kv", kv=kv_settings(queue_threshold=0.0))
+    await stack.wait_for_model()
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    async with asyncio.timeout(10):
+        while not entry.live_instance_ids(WorkerRole.PREFILL):
+            await asyncio.sleep(0.02)
+    prefill, decode = entry.routers[WorkerRole.PREFILL], entry.routers[WorkerRole.DECODE]
+    assert isinstance(prefill, KVRouter) and isinstance(decode, KVRouter)
+    assert prefill.queue is not None and decode.queue is None
+    _saturate(prefill)
+    remote = asyncio.ensure_future(_first_chunk_at(stack, "remote", 1200))  # past 1000 tokens
+    await _held(prefill.queue, 1)
+    assert _pending((await client.get("/metrics")).text) == {"prefill": 1.0}
+    _release(prefill)
+    await asyncio.wait_for(remote, 30)
+    prefill.on_finish(PHANTOM)
+    assert _pending((await client.get("/metrics")).text) == {"prefill": 0.0}

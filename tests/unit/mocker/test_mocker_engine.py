@@ -233,6 +233,23 @@ async def test_timed_pass_hands_out_tokens_before_publishing() -> None:
         await engine.cleanup()
 
 
+async def test_overdue_passes_hand_out_their_tokens_together() -> None:
+    """A loop behind the model's schedule (here every pass is overdue: a 10^6 speedup) runs
+    like speedup 0: the first token leaves alone at once, later ones together, not one
+    output per pass."""
+    engine = await started(MockerConfig(speedup_ratio=1e6))
+    try:
+        sizes = [
+            len(out.token_ids)
+            async for out in engine.generate(make_request(40, 300, ignore_eos=True), Context())
+        ]
+        assert sum(sizes) == 300
+        assert sizes[0] == 1
+        assert len(sizes) < 150, sizes  # coalesced (one output per pass would be 300)
+    finally:
+        await engine.cleanup()
+
+
 async def test_prefill_worker_returns_one_token_and_a_handoff() -> None:
     engine = await started(fast(disaggregation_mode="prefill", data_parallel_size=2))
     try:

@@ -1,0 +1,147 @@
+"""Starting and stopping the services a benchmark measures: one module for every benchmark.
+
+A :class:`Child` is a service process (``python -m dynamo.frontend``, ``dynamo.mocker``,
+``dynamo.serve``, or the reference's, from another interpreter) whose output lines are collected
+by a thread, so that a benchmark can wait for a line (readiness), keep or print the log, and
+read the process's CPU time (:func:`cpu_seconds`, all its threads, from ``/proc``).
+:func:`wait_model` waits until a frontend lists a model; :func:`free_port` picks a loopback port
+for a service that cannot be told to bind port 0 and report it.
+
+    from launcher import Child, free_port, service_env, wait_model
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "dynamo" / "models" / "demo"
+PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+"""Flags for file discovery, the TCP request plane and ZMQ events (the reference's defaults
+are etcd and NATS)."""
+LISTENING = "dynamo frontend: listening on http://"
+"""The line our frontend prints once it accepts connections (it ends with the port)."""
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A loopback port free now (a service that binds port 0 itself avoids the race)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def service_env(discovery_dir: str | None = None, **extra: str) -> dict[str, str]:
+    """This process's environment for a service: unbuffered output (lines arrive as printed),
+    file discovery in ``discovery_dir`` when given, and ``extra``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if discovery_dir is not None:
+        env["DYN_FILE_KV"] = discovery_dir
+    env.update(extra)
+    return env
+
+
+class Child:
+    """A service process whose output lines (stdout and stderr) are collected.
+
+    ``python`` other than ours runs outside the checkout, without ``PYTHONPATH``, so that
+    ``-m dynamo...`` imports that interpreter's own package."""
+
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: Mapping[str, str],
+        python: str = sys.executable,
+    ) -> None:
+        self.name = name
+        ours = python == sys.executable
+        self.proc = subprocess.Popen(
+            [python, *args],
+            cwd=REPO if ours else tempfile.gettempdir(),
+            env=dict(env) if ours else {k: v for k, v in env.items() if k != "PYTHONPATH"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def has_line(self, fragment: str) -> bool:
+        return any(fragment in line for line in list(self.lines))
+
+    def wait_line(self, fragment: str, timeout: float = 60.0) -> str:
+        """The first output line containing ``fragment``, waiting up to ``timeout`` seconds;
+        RuntimeError (with the log's tail) if the process exits or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if fragment in line:
+                    return line
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not print {fragment!r}:\n{self.tail()}")
+
+    def port(self, timeout: float = 60.0) -> int:
+        """Our frontend's HTTP port, from the line it prints once listening."""
+        return int(self.wait_line(LISTENING, timeout).rsplit(":", 1)[1])
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def write_log(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        Path(directory, f"{self.name}.log").write_text("\n".join(self.lines) + "\n")
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL after 15 s; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+
+
+def wait_model(url: str, timeout: float = 60.0) -> None:
+    """Until the frontend at ``url`` lists a model in ``/v1/models``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+                if json.loads(response.read())["data"]:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"no model appeared in {url}/v1/models within {timeout:g} s")
