@@ -21,7 +21,7 @@
 #define LCG_INC 1442695040888963407ULL
 #define SEQUENCE_SEED 1337ULL /* router.hashing.XXH3_SEED: the seed of the chained hash */
 
-static PyObject *s_tokens, *s_num_computed_tokens, *s_rng_state, *s_banned_token_ids,
+static PyObject *s_pending_transfer, *s_ready_at, *s_prefill_end, *s_tokens, *s_num_computed_tokens, *s_rng_state, *s_banned_token_ids,
     *s_status, *s_unique_blocks, *s_full_blocks, *s_num_prompt_tokens, *s_max_tokens,
     *s_min_tokens, *s_stop_token_ids, *s_hash_seed, *s_local_hashes, *s_block_hashes,
     *s_finish_reason, *s_request_id;
@@ -397,12 +397,116 @@ fail:
     return NULL;
 }
 
+
+static Py_ssize_t
+length_of(PyObject *seq, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(seq, name);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyObject_Length(v);
+    Py_DECREF(v);
+    return n;
+}
+
+/* plan_running(running, i, budget, now, block_size, scheduled) -> (i, budget, grow): see
+ * _pass.pyi. */
+static PyObject *
+plan_running(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plan_running(running, i, budget, now, block_size, scheduled)");
+        return NULL;
+    }
+    PyObject *running = args[0], *scheduled = args[5];
+    if (!PyList_Check(running) || !PyDict_Check(scheduled)) {
+        PyErr_SetString(PyExc_TypeError, "running must be a list and scheduled a dict");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t budget = PyLong_AsSsize_t(args[2]);
+    if (budget == -1 && PyErr_Occurred())
+        return NULL;
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (block_size == -1 && PyErr_Occurred())
+        return NULL;
+    int grow = 0;
+    while (i < PyList_GET_SIZE(running) && budget > 0) {
+        PyObject *seq = PyList_GET_ITEM(running, i);
+        Py_INCREF(seq);
+        PyObject *pending = PyObject_GetAttr(seq, s_pending_transfer);
+        int waiting = pending == NULL ? -1 : PyObject_IsTrue(pending);
+        Py_XDECREF(pending);
+        if (waiting < 0)
+            goto fail;
+        if (waiting) {
+            PyObject *ready = PyObject_GetAttr(seq, s_ready_at);
+            if (ready == NULL)
+                goto fail;
+            double at = PyFloat_AsDouble(ready);
+            Py_DECREF(ready);
+            if (at == -1.0 && PyErr_Occurred())
+                goto fail;
+            if (at > now) { /* its KV transfer has not landed yet */
+                Py_DECREF(seq);
+                i++;
+                continue;
+            }
+            if (PyObject_SetAttr(seq, s_pending_transfer, Py_False) < 0)
+                goto fail;
+        }
+        Py_ssize_t num_tokens = length_of(seq, s_tokens), computed, prefill_end;
+        if (num_tokens < 0 || get_ssize(seq, s_num_computed_tokens, &computed) < 0 ||
+            get_ssize(seq, s_prefill_end, &prefill_end) < 0)
+            goto fail;
+        if (computed >= prefill_end) {
+            Py_ssize_t full = length_of(seq, s_full_blocks);
+            Py_ssize_t unique = full < 0 ? -1 : length_of(seq, s_unique_blocks);
+            if (unique < 0)
+                goto fail;
+            if (num_tokens > block_size * (full + unique)) {
+                Py_DECREF(seq); /* a decode whose token starts a new block: the caller grows it */
+                grow = 1;
+                break;
+            }
+        }
+        i++;
+        Py_ssize_t n = num_tokens - computed;
+        if (n > budget)
+            n = budget;
+        PyObject *key = PyLong_FromVoidPtr(seq), *count = PyLong_FromSsize_t(n);
+        PyObject *entry = (key && count) ? PyTuple_Pack(2, seq, count) : NULL;
+        int r = entry ? PyDict_SetItem(scheduled, key, entry) : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(count);
+        Py_XDECREF(entry);
+        if (r < 0)
+            goto fail;
+        budget -= n;
+        Py_DECREF(seq);
+        continue;
+    fail:
+        Py_DECREF(seq);
+        return NULL;
+    }
+    return Py_BuildValue("nnO", i, budget, grow ? Py_True : Py_False);
+}
+
 static PyMethodDef module_methods[] = {
     {"sample_tokens", (PyCFunction)(void (*)(void))sample_tokens, METH_FASTCALL,
      "sample_tokens(entries, vocab_size, excluded): the mocker's id for each sampling entry."},
     {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL,
      "advance(entries, sampled, block_size, caching, running, finished, length, stop, promote, "
      "hash_fn): apply a pass's progress and tokens; (tokens, finished)."},
+    {"plan_running", (PyCFunction)(void (*)(void))plan_running, METH_FASTCALL,
+     "plan_running(running, i, budget, now, block_size, scheduled): schedule running "
+     "sequences from i until one must grow; (i, budget, grow)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -418,6 +522,9 @@ PyInit__pass(void)
 #define INTERN(var, text)                                                                     \
     if ((var = PyUnicode_InternFromString(text)) == NULL)                                    \
         return NULL;
+    INTERN(s_pending_transfer, "pending_transfer");
+    INTERN(s_ready_at, "ready_at");
+    INTERN(s_prefill_end, "prefill_end");
     INTERN(s_tokens, "tokens");
     INTERN(s_num_computed_tokens, "num_computed_tokens");
     INTERN(s_rng_state, "rng_state");

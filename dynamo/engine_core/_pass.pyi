@@ -34,3 +34,19 @@ def advance(
     ``min_tokens``: ``stop``), set ``finish_reason`` and ``status = finished_status``.
     Returns the appended ``(seq, token)`` pairs and the finished sequences, in batch order.
     ``ValueError`` if an entry that reached its end has no token."""
+
+def plan_running(
+    running: list[Sequence],
+    i: int,
+    budget: int,
+    now: float,
+    block_size: int,
+    scheduled: dict[int, tuple[Sequence, int]],
+) -> tuple[int, int, bool]:
+    """Schedule ``running[i:]`` in order while ``budget`` tokens remain: a sequence whose KV
+    transfer lands after ``now`` is skipped (one whose transfer landed is cleared of
+    ``pending_transfer``); each other one gets ``scheduled[id(seq)] = (seq, n)`` with ``n`` its
+    uncomputed tokens, capped by the budget, which ``n`` reduces. Stops before a decode whose
+    token starts a new block (it needs a block the caller allocates, preempting if it must).
+    Returns ``(i, budget, grow)``: the next index, the budget left, and whether it stopped for
+    such a decode (``running[i]``)."""

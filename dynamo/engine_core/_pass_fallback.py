@@ -83,3 +83,32 @@ def advance(
         seq.finish_reason, seq.status = reason, finished_status
         finished.append(seq)
     return tokens_out, finished
+
+
+def plan_running(
+    running: list[Sequence],
+    i: int,
+    budget: int,
+    now: float,
+    block_size: int,
+    scheduled: dict[int, tuple[Sequence, int]],
+) -> tuple[int, int, bool]:
+    while i < len(running) and budget > 0:
+        seq = running[i]
+        if seq.pending_transfer:
+            if seq.ready_at > now:
+                i += 1
+                continue
+            seq.pending_transfer = False
+        num_tokens = len(seq.tokens)
+        if seq.num_computed_tokens >= seq.prefill_end and num_tokens > block_size * (
+            len(seq.full_blocks) + len(seq.unique_blocks)
+        ):  # a decode whose token starts a new block: the caller grows it
+            return i, budget, True
+        i += 1
+        n = num_tokens - seq.num_computed_tokens
+        if n > budget:
+            n = budget
+        scheduled[id(seq)] = (seq, n)
+        budget -= n
+    return i, budget, False

@@ -21,7 +21,7 @@ from xxhash import xxh3_64_intdigest
 
 from dynamo.engine_core.config import SchedulerLimits
 from dynamo.engine_core.kv_manager import KVManager
-from dynamo.engine_core.pass_kernels import advance
+from dynamo.engine_core.pass_kernels import advance, plan_running
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
@@ -166,33 +166,25 @@ class Scheduler:
         scheduled: dict[int, tuple[Sequence, int]] = {}
         running = self._running
         i = 0
-        # per running request on every pass: attribute reads are cached in locals
-        while i < len(running) and budget > 0:
+        while True:  # running requests first; the native loop hands back a decode that grows
+            i, budget, grow = plan_running(running, i, budget, now, bs, scheduled)
+            if not grow:
+                break
             seq = running[i]
             i += 1
-            if seq.pending_transfer:
-                if seq.ready_at > now:
-                    continue
-                seq.pending_transfer = False
-            num_tokens = len(seq.tokens)
-            if seq.num_computed_tokens >= seq.prefill_end and num_tokens > bs * (
-                len(seq.full_blocks) + len(seq.unique_blocks)
-            ):  # a decode whose token starts a new block
-                while not self._grow(seq):
-                    victim = self._victim()
-                    if running.index(victim) < i:
-                        i -= 1
-                    entry = scheduled.pop(id(victim), None)
-                    budget += entry[1] if entry else 0
-                    self._preempt(victim)
-                    out.preempted.append(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-            n = num_tokens - seq.num_computed_tokens
-            if n > budget:
-                n = budget
+            while not self._grow(seq):
+                victim = self._victim()
+                if running.index(victim) < i:
+                    i -= 1
+                entry = scheduled.pop(id(victim), None)
+                budget += entry[1] if entry else 0
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
             scheduled[id(seq)] = (seq, n)
             budget -= n
         if not out.preempted:

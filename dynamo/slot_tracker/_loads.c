@@ -414,7 +414,9 @@ potential_loads(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             o.data[o.len++] = ',';
         }
-        int rc = out_rank(&o, PyList_GET_ITEM(ranks, i), query, b.isl);
+        PyObject *rank = Py_NewRef(PyList_GET_ITEM(ranks, i)); /* held across calls out */
+        int rc = out_rank(&o, rank, query, b.isl);
+        Py_DECREF(rank);
         if (rc < 0) {
             goto done;
         }

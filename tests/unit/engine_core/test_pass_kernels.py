@@ -188,3 +188,44 @@ def test_advance_refuses_a_missing_token_and_a_length_mismatch(
         _call(module, [(seq, 1)], [None])
     with pytest.raises(ValueError, match="one item per batch entry"):
         _call(module, [(seq, 1)], [])
+
+
+def running_twins(seed: int, count: int) -> list[list[Sequence]]:
+    """Twin running lists: prefills, decodes (some at a block boundary, so they must grow) and
+    decode-side sequences waiting for their KV transfer."""
+    out = []
+    for _ in range(2):
+        rng = random.Random(seed)
+        seqs = [make(i, rng) for i in range(count)]
+        for s in seqs:
+            if rng.random() < 0.6:  # a decode: its KV is computed up to its last token
+                s.num_computed_tokens = s.prefill_end = s.num_tokens - 1
+            held = -(-s.num_tokens // BS) - rng.choice([0, 0, 1])  # short of one: must grow
+            s.unique_blocks = list(range(max(0, held)))
+            if rng.random() < 0.2:
+                s.pending_transfer, s.ready_at = True, rng.choice([0.5, 2.0])
+        out.append(seqs)
+    return out
+
+
+def test_plan_running_matches_the_fallback(native: ModuleType) -> None:
+    grows = skipped = 0
+    for seed in range(40):
+        a, b = running_twins(seed, 12)
+        budget = random.Random(seed).choice([3, 20, 200])
+        results = []
+        for impl, seqs in ((_pass_fallback, a), (native, b)):
+            scheduled: dict[int, tuple[Sequence, int]] = {}
+            i, left, stops = 0, budget, []
+            while True:  # walk it all, as the scheduler does, without growing anything
+                i, left, grow = impl.plan_running(seqs, i, left, 1.0, BS, scheduled)
+                stops.append((i, left, grow))
+                if not grow:
+                    break
+                i += 1
+            plan = [(s.request_id, n) for s, n in scheduled.values()]
+            results.append((stops, plan, [s.pending_transfer for s in seqs]))
+        assert results[0] == results[1]
+        grows += len(results[0][0]) - 1
+        skipped += sum(results[0][2])
+    assert grows > 20 and skipped > 5  # both exits were exercised
