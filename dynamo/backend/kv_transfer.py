@@ -19,6 +19,13 @@ pulls are served at once (the rest wait in the kernel backlog), and a pull must 
 
 The agent knows nothing of tensors: the engine gives it an ``export`` coroutine (block ids -> the
 leading run of those blocks it still caches, with their bytes) and reads what ``pull`` returns.
+
+An engine whose blocks are held for a named handoff rather than found by hash (the vLLM
+connector, ``dynamo/vllm/connector.py``: the prefill side holds a finished request's blocks until
+its decode side has pulled them) serves with ``serve_handles``: each pull then names the handoff
+(``PullRequest.handle``), and a pull of no block at all still tells the server that the handoff
+is over. Such an agent may run without a runtime (inside vLLM's engine-core process): it only
+listens (``listen``) and pulls by address (``pull_from``); its address travels with the handoff.
 """
 
 from __future__ import annotations
@@ -81,8 +88,12 @@ async def publish_descriptor(
     await runtime.discovery.put(key, _encoder.encode(descriptor), runtime.lease)
 
 
-class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
+class PullRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """``block_hashes``: the blocks asked for (sequence hashes, or the serving engine's own block
+    ids when ``handle`` names a handoff)."""
+
     block_hashes: list[int]
+    handle: str | None = None
 
 
 class PullHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +118,8 @@ class ExportedBlocks:
 
 
 ExportFn = Callable[[list[int]], Awaitable[ExportedBlocks]]
+# (handle, block ids) -> those blocks of that handoff; the handoff ends with the pull.
+HandleExportFn = Callable[[str, list[int]], Awaitable[ExportedBlocks]]
 
 
 @dataclass(slots=True)
@@ -127,11 +140,13 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class KVTransferAgent:
-    """One per engine instance. ``export`` (None: this worker only pulls) serves peers' pulls."""
+    """One per engine instance. ``export`` (None: this worker only pulls) serves peers' pulls.
+    Without a ``runtime`` the agent publishes nothing and finds no peer: ``listen`` and
+    ``pull_from`` only."""
 
     def __init__(
         self,
-        runtime: DistributedRuntime,
+        runtime: DistributedRuntime | None,
         export: ExportFn | None,
         *,
         host: str = "127.0.0.1",
@@ -139,6 +154,7 @@ class KVTransferAgent:
     ) -> None:
         self._runtime = runtime
         self._export = export
+        self._export_handle: HandleExportFn | None = None
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
@@ -152,12 +168,23 @@ class KVTransferAgent:
         """Serve peers' pulls with ``export`` (set before :meth:`start`)."""
         self._export = export
 
-    async def start(self, instance_id: int, layout: dict[str, object], num_blocks: int) -> None:
-        """Listen and publish this worker's descriptor (under the runtime's lease)."""
+    def serve_handles(self, export: HandleExportFn) -> None:
+        """Serve pulls that name a handoff (``PullRequest.handle``) with ``export``."""
+        self._export_handle = export
+
+    async def listen(self) -> int:
+        """Bind the server (``host``, ``port``; 0: a free port) and return its port."""
         self._server = await asyncio.start_server(
             self._accept, self._host, self._port, limit=_STREAM_LIMIT, backlog=256
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def start(self, instance_id: int, layout: dict[str, object], num_blocks: int) -> None:
+        """Listen and publish this worker's descriptor (under the runtime's lease)."""
+        if self._runtime is None:
+            raise RuntimeError("an agent without a runtime publishes no descriptor: listen()")
+        await self.listen()
         descriptor = AgentDescriptor(
             host=self._host, port=self.port, layout=layout, num_blocks=num_blocks
         )
@@ -197,9 +224,14 @@ class KVTransferAgent:
             request = _request_decoder.decode(raw)
             if len(request.block_hashes) > MAX_BLOCKS:
                 raise InvalidArgument(f"at most {MAX_BLOCKS} blocks per pull")
-            if self._export is None:
+            if request.handle is not None:
+                if self._export_handle is None:
+                    raise InvalidArgument("this worker serves no KV handoffs")
+                blocks = await self._export_handle(request.handle, request.block_hashes)
+            elif self._export is None:
                 raise InvalidArgument("this worker serves no KV blocks")
-            blocks = await self._export(request.block_hashes)
+            else:
+                blocks = await self._export(request.block_hashes)
         except Exception as exc:  # the peer gets the reason; the agent keeps serving
             await _send(writer, PullHeader(error=str(exc) or type(exc).__name__))
             return
@@ -220,6 +252,8 @@ class KVTransferAgent:
         when the peer published none: gone, or not a transfer-capable worker)."""
         descriptor = self._peers.get(instance_id)
         if descriptor is None:
+            if self._runtime is None:
+                raise CannotConnect("an agent without a runtime finds no peer: pull_from()")
             key = descriptor_key(self._runtime.namespace, instance_id)
             kv = await self._runtime.discovery.get(key)
             if kv is None:
@@ -248,6 +282,13 @@ class KVTransferAgent:
             )
         )
 
+    async def pull_from(
+        self, host: str, port: int, block_ids: list[int], *, handle: str, peer_id: int = 0
+    ) -> ExportedBlocks:
+        """Pull ``block_ids`` of the handoff ``handle`` from the agent at ``host:port`` (the
+        address came with the handoff); the same errors as :meth:`pull`."""
+        return await self._pull_one(peer_id, host, port, {}, block_ids, handle=handle)
+
     async def _pull_one(
         self,
         instance_id: int,
@@ -255,6 +296,8 @@ class KVTransferAgent:
         port: int,
         layout: dict[str, object],
         block_hashes: list[int],
+        *,
+        handle: str | None = None,
     ) -> ExportedBlocks:
         started = time.perf_counter()
         try:
@@ -267,7 +310,7 @@ class KVTransferAgent:
             raise CannotConnect(f"KV transfer agent of {instance_id:x}: {exc}") from None
         try:
             async with asyncio.timeout(TRANSFER_TIMEOUT_S):
-                await _send(writer, PullRequest(block_hashes=block_hashes))
+                await _send(writer, PullRequest(block_hashes=block_hashes, handle=handle))
                 (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
                 if size > MAX_HEADER_BYTES:
                     raise StreamIncomplete(f"KV pull header of {size} bytes is too big")

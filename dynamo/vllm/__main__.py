@@ -2,8 +2,10 @@
 
 Every vLLM engine flag (``AsyncEngineArgs``: ``--block-size``, ``--max-num-seqs``,
 ``--dtype``, ...) is accepted as vLLM spells it; ours are the worker's (runtime, status server,
-``--endpoint``) and ``--kv-events`` / ``--no-kv-events``. The worker wiring is
-:mod:`dynamo.backend.serve_engine`, as for every engine.
+``--endpoint``), ``--kv-events`` / ``--no-kv-events``, and the disaggregation role
+(``--disaggregation-mode agg|prefill|decode``, ``--kv-transfer-host``: where our KV connector's
+transfer agent listens; vLLM's own ``--kv-transfer-config`` is then refused, the role sets it).
+The worker wiring is :mod:`dynamo.backend.serve_engine`, as for every engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dynamo.backend.serve_engine import (
     add_worker_arguments,
     serve_engine,
 )
+from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
 
@@ -47,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         env="DYN_VLLM_KV_EVENTS",
         help="bridge vLLM's KV events to the routers (sets vLLM's --kv-events-config)",
     )
+    add_flag(
+        ours,
+        "--disaggregation-mode",
+        default=WorkerRole.AGGREGATED.value,
+        choices=[role.value for role in WorkerRole],
+        help="agg, prefill (run prompts, hand their KV off) or decode (resume from a handoff)",
+    )
+    add_flag(
+        ours,
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="address of this worker's KV transfer agent (disaggregation)",
+    )
     add_worker_arguments(parser)
     return parser
 
@@ -60,6 +76,9 @@ def vllm_engines(args: argparse.Namespace) -> tuple[EngineFactory, WorkerSpec]:
     if not model:
         raise ValueError("--model-path is required")
     args.model = model
+    role = WorkerRole(args.disaggregation_mode)
+    if role is not WorkerRole.AGGREGATED and args.kv_transfer_config is not None:
+        raise ValueError("--kv-transfer-config cannot be combined with --disaggregation-mode")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     engine_args.log_level = None  # ``args.log_level`` is our worker's filter, not vLLM's level
 
@@ -68,9 +87,13 @@ def vllm_engines(args: argparse.Namespace) -> tuple[EngineFactory, WorkerSpec]:
             engine_args,
             served_model_name=args.model_name,
             kv_event_sink=publisher.publish_kv if args.kv_events else None,
+            role=role,
+            kv_transfer_host=args.kv_transfer_host,
         )
 
-    spec = WorkerSpec(model_path=model, served_model_name=args.model_name, endpoint=args.endpoint)
+    spec = WorkerSpec(
+        model_path=model, served_model_name=args.model_name, role=role, endpoint=args.endpoint
+    )
     return factory, spec
 
 

@@ -6,6 +6,13 @@ frontend's), aborts vLLM's request when a stream ends early for any reason (its 
 at once), and bridges vLLM's ZMQ KV events into our event plane with our block hashes
 (``kv_bridge.py``) so KV routing works on vLLM workers as on ours.
 
+Disaggregation (``role`` prefill or decode): vLLM's KV-connector API with our connector
+(``connector.py``, set as vLLM's ``kv_transfer_config``). A prefill engine asks vLLM to hand each
+prompt off (``do_remote_decode``) and returns vLLM's handoff params as the terminal's
+``disaggregated_params.engine_specific``; a decode engine passes a request's ``prefill_result``
+back to vLLM (``do_remote_prefill``), whose connector pulls the prompt's KV from the prefill
+worker before the request is scheduled. A failed pull fails the request with ``KVTransferFailed``.
+
 vLLM is imported only here and in ``__main__`` (the ``vllm`` extra).
 """
 
@@ -19,12 +26,13 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
+from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
-from dynamo.protocol.model_card import EngineCapabilities
+from dynamo.protocol.model_card import EngineCapabilities, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, TopLogprob, Usage
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
-from dynamo.runtime.errors import EngineShutdown, InvalidArgument
+from dynamo.runtime.errors import EngineShutdown, InvalidArgument, KVTransferFailed
 from dynamo.vllm.kv_bridge import KVEventBridge, decode_batch
 from dynamo.vllm.sampling import MAX_LOGPROBS, sampling_kwargs
 from dynamo.vllm.stats import SchedulerGauges
@@ -44,7 +52,9 @@ class VllmEngine(LLMEngine):
     """``engine_args``: vLLM's ``AsyncEngineArgs`` (its own flags, parsed by ``__main__``).
     With a ``kv_event_sink``, the engine binds a SUB socket on 127.0.0.1 (a free port) and sets
     vLLM's ``kv_events_config`` so that its publisher connects there (a bound port: no race for
-    a free one); without a sink vLLM publishes no KV events."""
+    a free one); without a sink vLLM publishes no KV events. ``role``: aggregated, or a
+    prefill / decode worker whose KV moves through our connector's agent listening on
+    ``kv_transfer_host`` (a free port); ``engine_args`` then must not name a connector."""
 
     def __init__(
         self,
@@ -52,10 +62,15 @@ class VllmEngine(LLMEngine):
         *,
         served_model_name: str | None = None,
         kv_event_sink: KVEventSink | None = None,
+        role: WorkerRole = WorkerRole.AGGREGATED,
+        kv_transfer_host: str = "127.0.0.1",
     ) -> None:
         self.engine_args = engine_args
         self.served_model_name = served_model_name
         self.kv_event_sink = kv_event_sink
+        self.role = role
+        self.kv_transfer_host = kv_transfer_host
+        self.handoffs = 0
         self._sub: Any = None
         self.worker_id: int | None = None
         self.bridge: KVEventBridge | None = None
@@ -89,6 +104,8 @@ class VllmEngine(LLMEngine):
                 endpoint=sub.getsockopt_string(zmq.LAST_ENDPOINT),  # vLLM connects to it
                 topic="",
             )
+        if self.role is not WorkerRole.AGGREGATED:
+            args.kv_transfer_config = connector_config(self.role, self.kv_transfer_host)
         # Builds the engine core process and loads the model: seconds to a minute, blocking.
         self._llm = await asyncio.to_thread(
             AsyncLLM.from_engine_args, args, stat_loggers=[self._gauges.logger_factory()]
@@ -134,9 +151,12 @@ class VllmEngine(LLMEngine):
             raise EngineShutdown("the vLLM engine is not running")
         kwargs = sampling_kwargs(request, self._context_length)
         structured = kwargs.pop("structured_outputs", None)
+        handoff = request.prefill_result if self.role is WorkerRole.DECODE else None
+        transfer = self._transfer_params(handoff)
         try:
             params = SamplingParams(
                 **kwargs,
+                extra_args=None if transfer is None else {"kv_transfer_params": transfer},
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=None
                 if structured is None
@@ -163,13 +183,25 @@ class VllmEngine(LLMEngine):
                     chunk.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, request.token_ids)
                 if out.finished:
                     finished = True
-                    reason = completion.finish_reason
-                    chunk.finish_reason = _FINISH.get(str(reason), FinishReason.STOP)
+                    reason = str(completion.finish_reason)
+                    if handoff is not None and reason == "error":
+                        raise KVTransferFailed(
+                            f"vLLM could not load the prompt's KV from prefill worker "
+                            f"{handoff.prefill_worker_id:x}"
+                        )
+                    chunk.finish_reason = _FINISH.get(reason, FinishReason.STOP)
                     chunk.usage = Usage(
                         prompt_tokens=len(request.token_ids),
                         completion_tokens=n_out,
-                        cached_tokens=out.num_cached_tokens,
+                        # a decode worker reports the prefill worker's prefix hit
+                        cached_tokens=out.num_cached_tokens
+                        if handoff is None
+                        else handoff.num_cached_tokens,
                     )
+                    if self.role is WorkerRole.PREFILL:
+                        chunk.disaggregated_params = self._handoff(request, out)
+                    if handoff is not None or chunk.disaggregated_params is not None:
+                        self.handoffs += 1
                     yield chunk
                     return
                 if chunk.token_ids:
@@ -191,6 +223,36 @@ class VllmEngine(LLMEngine):
                 with contextlib.suppress(Exception):
                     await llm.abort(key)
 
+    def _transfer_params(self, handoff: DisaggregatedParams | None) -> dict[str, Any] | None:
+        """vLLM's ``kv_transfer_params`` for a request: a prefill engine hands every prompt
+        off; a decode engine resumes from the prefill worker's params."""
+        if self.role is WorkerRole.PREFILL:
+            return {"do_remote_decode": True}
+        if handoff is None:
+            return None
+        params = handoff.engine_specific
+        if not params or not _HANDOFF_KEYS <= params.keys():
+            raise KVTransferFailed(
+                f"the handoff of prefill worker {handoff.prefill_worker_id:x} has no vLLM KV "
+                "params (is it a vLLM prefill worker?)"
+            )
+        return {**params, "do_remote_prefill": True}
+
+    def _handoff(self, request: PreprocessedRequest, out: Any) -> DisaggregatedParams | None:
+        """The terminal's handoff: vLLM's params for the decode side (None: vLLM kept no blocks,
+        e.g. the request stopped before its length; the decode side then computes the prompt)."""
+        params = out.kv_transfer_params
+        if not params:
+            return None
+        return DisaggregatedParams(
+            prefill_worker_id=self.worker_id or 0,
+            num_prompt_tokens=len(request.token_ids),
+            num_cached_tokens=out.num_cached_tokens or 0,
+            bootstrap_host=str(params["remote_host"]),
+            bootstrap_port=int(params["remote_port"]),
+            engine_specific=dict(params),
+        )
+
     async def abort(self, ctx: Context) -> None:
         llm = self._llm
         keys = list(self._live.get(ctx.id, ()))
@@ -201,7 +263,8 @@ class VllmEngine(LLMEngine):
         """vLLM's last scheduler report (running, waiting, KV usage, prefix-cache hit rate)."""
         if self._llm is None:
             return []
-        return self._gauges.snapshot(self._total_blocks)
+        disagg = self.role is not WorkerRole.AGGREGATED
+        return self._gauges.snapshot(self._total_blocks, self.handoffs if disagg else None)
 
     async def drain(self) -> None:
         self._closed = True
@@ -248,6 +311,25 @@ class VllmEngine(LLMEngine):
         finally:
             sub.close(linger=0)
             self._sub = None
+
+
+_HANDOFF_KEYS = {"remote_host", "remote_port", "remote_handle", "remote_block_ids"}
+
+
+def connector_config(role: WorkerRole, host: str) -> Any:
+    """vLLM's ``KVTransferConfig`` for our connector in ``role``. A load that fails fails its
+    request (``kv_load_failure_policy`` fail), never a silent local prefill."""
+    from vllm.config import KVTransferConfig
+
+    from dynamo.vllm.connector import CONNECTOR_NAME
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path="dynamo.vllm.connector",
+        kv_role="kv_producer" if role is WorkerRole.PREFILL else "kv_consumer",
+        kv_load_failure_policy="fail",
+        kv_connector_extra_config={"host": host},
+    )
 
 
 def _add_logprobs(chunk: LLMEngineOutput, positions: list[dict[int, Any]], top: int) -> None:

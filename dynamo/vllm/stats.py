@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dynamo.backend.engine import RankMetrics
+from dynamo.backend.engine import DisaggCounters, RankMetrics
 
 
 class SchedulerGauges:
@@ -27,6 +27,9 @@ class SchedulerGauges:
         self.kv_usage = 0.0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # our KV connector's transfer totals (disaggregated workers; ``connector.py``)
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
 
     def record(self, stats: Any) -> None:
         """One vLLM ``SchedulerStats``."""
@@ -37,8 +40,13 @@ class SchedulerGauges:
         if prefix is not None:
             self.prefix_queries += int(prefix.queries)
             self.prefix_hits += int(prefix.hits)
+        transfers = getattr(stats, "kv_connector_stats", None)
+        if transfers:
+            self.transfer_bytes += int(transfers.get("bytes_loaded", 0))
+            self.transfer_seconds += float(transfers.get("seconds_loading", 0.0))
 
-    def snapshot(self, total_blocks: int) -> list[RankMetrics]:
+    def snapshot(self, total_blocks: int, handoffs: int | None = None) -> list[RankMetrics]:
+        """``handoffs``: a disaggregated engine's handoffs so far (None: aggregated)."""
         hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else None
         return [
             RankMetrics(
@@ -48,6 +56,9 @@ class SchedulerGauges:
                 num_running=self.num_running,
                 num_waiting=self.num_waiting,
                 prefix_cache_hit_rate=hit_rate,
+                disagg=None
+                if handoffs is None
+                else DisaggCounters(handoffs, self.transfer_bytes, self.transfer_seconds),
             )
         ]
 

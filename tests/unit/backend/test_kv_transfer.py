@@ -72,3 +72,34 @@ async def test_oversized_and_silent_clients_are_dropped(
         assert await reader.read() == b""  # said nothing: closed by the server
     writer.close()
     assert (await client.pull(0xA, [5]))[0].block_hashes == [5]  # still serving
+
+
+async def test_handoff_pulls_by_address_without_a_runtime() -> None:
+    """The vLLM connector's use: agents with no runtime, pulls naming a handoff."""
+    seen: list[tuple[str, list[int]]] = []
+
+    async def export_handle(handle: str, ids: list[int]) -> ExportedBlocks:
+        seen.append((handle, ids))
+        return ExportedBlocks(LAYOUT, ids, [], bytes(len(ids)))
+
+    server, client = KVTransferAgent(None, export), KVTransferAgent(None, None)
+    server.serve_handles(export_handle)
+    port = await server.listen()
+    try:
+        got = await client.pull_from("127.0.0.1", port, [7, 3], handle="req-1")
+        assert got.block_hashes == [7, 3] and got.data == bytes(2) and got.layout == LAYOUT
+        assert seen == [("req-1", [7, 3])]
+        empty = await client.pull_from("127.0.0.1", port, [], handle="req-2")
+        assert empty.data == b"" and seen[-1] == ("req-2", [])
+        with pytest.raises(CannotConnect):
+            await client.pull(0xA, [1])  # no discovery to find a peer in
+        with pytest.raises(RuntimeError):
+            await client.start(0xB, LAYOUT, num_blocks=1)  # nothing to publish under
+        plain_server = KVTransferAgent(None, export)
+        plain_port = await plain_server.listen()
+        with pytest.raises(Unknown, match="no KV handoffs"):
+            await client.pull_from("127.0.0.1", plain_port, [1], handle="x")
+        await plain_server.close()
+    finally:
+        await server.close()
+        await client.close()
