@@ -229,15 +229,22 @@ out_answer(Out *o, PyObject *prefix, PyObject *payload)
 {
     Py_ssize_t prefix_len = PyBytes_GET_SIZE(prefix);
     Py_ssize_t payload_len = PyBytes_GET_SIZE(payload);
-    char digits[24];
-    int n = snprintf(digits, sizeof(digits), "%zd\r\n\r\n", payload_len);
-    if (out_reserve(o, (size_t)prefix_len + (size_t)n + (size_t)payload_len) < 0) {
+    char digits[24]; /* the length, right-aligned, then CRLF CRLF (snprintf cost ~1k cycles) */
+    char *d = digits + sizeof(digits);
+    memcpy(d -= 4, "\r\n\r\n", 4);
+    size_t v = (size_t)payload_len;
+    do {
+        *--d = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    size_t n = (size_t)(digits + sizeof(digits) - d);
+    if (out_reserve(o, (size_t)prefix_len + n + (size_t)payload_len) < 0) {
         return -1;
     }
     memcpy(o->data + o->len, PyBytes_AS_STRING(prefix), (size_t)prefix_len);
     o->len += (size_t)prefix_len;
-    memcpy(o->data + o->len, digits, (size_t)n);
-    o->len += (size_t)n;
+    memcpy(o->data + o->len, d, n);
+    o->len += n;
     memcpy(o->data + o->len, PyBytes_AS_STRING(payload), (size_t)payload_len);
     o->len += (size_t)payload_len;
     return 0;
@@ -405,7 +412,13 @@ Dispatcher_feed(Dispatcher *self, PyObject *data)
     if (error == NULL) {
         error = Py_NewRef(Py_None);
     }
-    result = Py_BuildValue("(NnN)", out, (Py_ssize_t)(p - base), error);
+    PyObject *used = PyLong_FromSsize_t((Py_ssize_t)(p - base));
+    if (used != NULL) {
+        result = PyTuple_Pack(3, out, used, error);
+        Py_DECREF(used);
+    }
+    Py_DECREF(out);
+    Py_DECREF(error);
 done:
     if (o.data != o.inline_buf) {
         PyMem_Free(o.data);
