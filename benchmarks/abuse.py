@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import MODEL, REPO, Child, service_env
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
+
+from launcher import MODEL, REPO, Child, service_env  # noqa: E402
 
 GOAL_P99_RATIO = 2.0
 CHAT = "/v1/chat/completions"

@@ -53,7 +53,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher import MODEL, PLANES, Child, free_port
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
+
+from launcher import MODEL, PLANES, Child, free_port  # noqa: E402
 
 from dynamo.bench.client import Endpoint, HttpClient
 from dynamo.mocker.config import MockerConfig

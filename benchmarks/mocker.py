@@ -25,6 +25,7 @@ import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
 
 from launcher import cpu_seconds  # noqa: E402
 

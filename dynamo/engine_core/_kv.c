@@ -2,9 +2,9 @@
  * dynamo.engine_core._kv: the per-block loops of KVManager's accounting (FACTS §6.3), over the
  * manager's own containers.
  *
- * Why native: every admission probes its prompt's blocks twice (cached prefix, slots needed),
- * every finished or preempted request releases each of its blocks, and every allocation may
- * evict inactive blocks one by one. In Python those loops were ~11 % of the offline replay's
+ * Why native: every admission probes its prompt's blocks twice (cached prefix, slots needed)
+ * and references its cached ones, every finished or preempted request releases each of its
+ * blocks, and every allocation may evict inactive blocks one by one. In Python those loops were ~11 % of the offline replay's
  * CPU (docs/performance.md, "Offline replay"), and the live mocker and the PyTorch engine run
  * the same KV manager. The containers stay Python objects owned by KVManager (a dict of
  * refcounts, an OrderedDict as the LRU inactive pool, ...): these functions only walk them, so
@@ -191,11 +191,71 @@ fail:
     return NULL;
 }
 
+
+/* pin(active, inactive, hashes): one reference more to each active hash; an inactive one is
+ * revived (leaves the pool, refcount 1); the indices of the others (absent), in order. */
+static PyObject *
+pin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pin(active, inactive, hashes)");
+        return NULL;
+    }
+    PyObject *active = args[0], *inactive = args[1];
+    if (check_dict(active, "active") < 0 || check_dict(inactive, "inactive") < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[2], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *absent = PyList_New(0), *one = PyLong_FromLong(1);
+    if (absent == NULL || one == NULL)
+        goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        PyObject *rc = PyDict_GetItemWithError(active, h); /* borrowed */
+        int r;
+        if (rc != NULL) {
+            PyObject *more = PyNumber_Add(rc, one);
+            if (more == NULL)
+                goto fail;
+            r = PyDict_SetItem(active, h, more);
+            Py_DECREF(more);
+        } else if (PyErr_Occurred()) {
+            goto fail;
+        } else {
+            r = PyDict_Contains(inactive, h);
+            if (r == 1) {
+                r = PyObject_DelItem(inactive, h);
+                if (r == 0)
+                    r = PyDict_SetItem(active, h, one);
+            } else if (r == 0) {
+                PyObject *index = PyLong_FromSsize_t(i);
+                r = index == NULL ? -1 : PyList_Append(absent, index);
+                Py_XDECREF(index);
+            }
+        }
+        if (r < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    Py_DECREF(one);
+    return absent;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(one);
+    Py_XDECREF(absent);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL,
      "cached_prefix(active, inactive, hashes): leading hashes cached."},
     {"count_missing", (PyCFunction)(void (*)(void))count_missing, METH_FASTCALL,
      "count_missing(active, hashes): hashes not active."},
+    {"pin", (PyCFunction)(void (*)(void))pin, METH_FASTCALL,
+     "pin(active, inactive, hashes): reference the present ones; the indices of the absent."},
     {"release_full", (PyCFunction)(void (*)(void))release_full, METH_FASTCALL,
      "release_full(active, inactive, hashes): drop one reference to each, tail first."},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,

@@ -16,6 +16,13 @@ def cached_prefix(
 def count_missing(active: dict[int, int], hashes: Sequence[int]) -> int:
     """How many of ``hashes`` are not in ``active``."""
 
+def pin(
+    active: dict[int, int], inactive: OrderedDict[int, None], hashes: Sequence[int]
+) -> list[int]:
+    """One reference more to each of ``hashes`` in ``active``; one in ``inactive`` leaves the
+    pool for ``active`` with one reference. Returns the indices of the others (in neither), in
+    order (a repeated absent hash, at each of its indices)."""
+
 def release_full(
     active: dict[int, int], inactive: OrderedDict[int, None], hashes: Sequence[int]
 ) -> None:

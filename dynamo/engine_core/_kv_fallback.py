@@ -22,6 +22,21 @@ def count_missing(active: dict[int, int], hashes: Sequence[int]) -> int:
     return sum(1 for h in hashes if h not in active)
 
 
+def pin(
+    active: dict[int, int], inactive: OrderedDict[int, None], hashes: Sequence[int]
+) -> list[int]:
+    absent: list[int] = []
+    for i, h in enumerate(hashes):
+        if h in active:
+            active[h] += 1
+        elif h in inactive:
+            del inactive[h]
+            active[h] = 1
+        else:
+            absent.append(i)
+    return absent
+
+
 def release_full(
     active: dict[int, int], inactive: OrderedDict[int, None], hashes: Sequence[int]
 ) -> None:

@@ -14,9 +14,9 @@ IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.engine_core._kv`` or ``dynamo.engine_core._kv_fallback``)."""
 
 if TYPE_CHECKING:
-    from dynamo.engine_core._kv import cached_prefix, count_missing, evict, release_full
+    from dynamo.engine_core._kv import cached_prefix, count_missing, evict, pin, release_full
 else:
     cached_prefix, count_missing = _impl.cached_prefix, _impl.count_missing
-    evict, release_full = _impl.evict, _impl.release_full
+    evict, pin, release_full = _impl.evict, _impl.pin, _impl.release_full
 
-__all__ = ["IMPLEMENTATION", "cached_prefix", "count_missing", "evict", "release_full"]
+__all__ = ["IMPLEMENTATION", "cached_prefix", "count_missing", "evict", "pin", "release_full"]

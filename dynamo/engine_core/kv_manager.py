@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dynamo.engine_core.kv_kernels import cached_prefix, count_missing, evict, release_full
+from dynamo.engine_core.kv_kernels import (
+    cached_prefix,
+    count_missing,
+    evict,
+    pin,
+    release_full,
+)
 from dynamo.protocol.kv_events import (
     BlocksRemoved,
     BlocksStored,
@@ -135,15 +141,7 @@ class KVManager:
         if count_missing(self._active, block_hashes) > self.num_available_blocks:
             raise RuntimeError("not enough KV blocks")
         # First pin every block we already have, so eviction below never takes one of ours.
-        new: list[int] = []
-        for i, h in enumerate(block_hashes):
-            if h in self._active:
-                self._active[h] += 1
-            elif h in self._inactive:
-                del self._inactive[h]
-                self._active[h] = 1
-            else:
-                new.append(i)
+        new = pin(self._active, self._inactive, block_hashes)
         self._make_room(len(new))
         run: list[StoredBlock] = []
         for k, i in enumerate(new):

@@ -15,6 +15,7 @@ import uvloop
 import zmq
 
 from dynamo.observability.logging import configure_logging
+from dynamo.runtime.heap import settle_after_start
 from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
 from dynamo.slot_tracker.service import SlotTrackerService
 
@@ -22,6 +23,9 @@ from dynamo.slot_tracker.service import SlotTrackerService
 async def serve(config: SlotTrackerConfig) -> None:
     service = SlotTrackerService(config)
     await service.start()
+    # /add keeps a tuple of hashes per active request: fewer young collections, and full ones
+    # that skip everything start-up allocated (runtime/heap.py).
+    settle_after_start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -60,6 +60,18 @@ def test_queries_match(native: ModuleType) -> None:
         assert native.cached_prefix(p["active"], p["inactive"], p["hashes"]) == 40
 
 
+def test_pin_leaves_the_same_state(native: ModuleType) -> None:
+    for seed in range(20):
+        a, b = twins(seed)
+        rng = random.Random(seed)
+        fresh = [rng.randrange(1 << 62) for _ in range(5)]
+        chain = rng.sample(a["hashes"], 15) + fresh + fresh[:1]  # an absent hash twice
+        rng.shuffle(chain)
+        absent = [impl.pin(p["active"], p["inactive"], chain) for impl, p in ((py, a), (native, b))]
+        assert absent[0] == absent[1] and len(absent[0]) == 6
+        assert state(a) == state(b)
+
+
 def test_release_and_evict_leave_the_same_state(native: ModuleType) -> None:
     for seed in range(20):
         a, b = twins(seed)

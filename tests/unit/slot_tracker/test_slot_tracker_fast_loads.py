@@ -102,3 +102,19 @@ def test_a_tracker_without_kv_reuse_is_left_to_the_handler() -> None:
     assert sequences is not None
     sequences._assume_kv_reuse = False
     assert fast(body) is None
+
+
+def test_a_changed_rank_class_is_read_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo.router import sequences
+
+    app, _ = build(random.Random(2))
+    fast = app.fast_routes.get(b"/potential_loads")
+    if fast is None:
+        pytest.skip("_loads not built, or DYN_NATIVE=0")
+    body = b'{"model_name":"m","sequence_hashes":[1,2]}'
+    before = fast(body)  # the slots' places are cached now
+    assert before is not None and b'"active_requests":99' not in before
+    monkeypatch.setattr(sequences._Rank, "num_requests", property(lambda rank: 99))
+    after = fast(body)
+    assert after is not None and after.count(b'"active_requests":99') == after.count(b"{")
+    assert after == app.handle(b"POST", b"/potential_loads", b"", JSON, body)[1]
