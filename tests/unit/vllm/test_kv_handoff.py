@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from dynamo.vllm.kv_handoff import HandoffWorker, Load  # noqa: E402
 from dynamo.vllm.paged_kv import LayoutMismatch, PagedKV  # noqa: E402
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # real loopback sockets, one process
 
 BLOCKS, HEADS, BS, HD = 16, 2, 4, 8
 
