@@ -105,10 +105,12 @@ def test_engine_core_imports_only_protocol_runtime_router() -> None:
     assert not bad, bad
 
 
-def test_torch_is_imported_only_by_the_pytorch_engine() -> None:
+def test_torch_is_imported_only_by_the_engines_that_run_it() -> None:
+    """torch is the `pytorch` extra: only our PyTorch engine and the vLLM backend (vLLM is
+    built on torch; its KV connector reads vLLM's cache tensors) may import it."""
     bad = []
     for path in ROOT.rglob("*.py"):
-        if _package_of(path) == "pytorch":
+        if _package_of(path) in {"pytorch", "vllm"}:
             continue
         for name in _imports(path):
             if name.split(".")[0] in {"torch", "safetensors"}:
