@@ -1,13 +1,18 @@
 """Which implementation of each native helper this process uses: decided once, at import.
 
-Two hot spots have C extensions (``dynamo.router._blocks``, ``dynamo.runtime._sender``), each
-with a pure-Python fallback of the same contract (``*_fallback``), so the package installs and
-runs where the extensions cannot be built (they are optional in the build). A third,
-``dynamo.pytorch._paged_attn``, is a kernel whose fallback is the caller's own torch code
-(``load_optional``). ``DYN_NATIVE=0``
-forces every fallback (one CI pass runs the suites that way); otherwise a native module is used
-whenever it imports.
-"""
+The hot loops have C extensions, optional in the build, so the package installs and runs where
+they cannot be built:
+
+* with a pure-Python fallback of the same contract (``*_fallback``, chosen by :func:`load`):
+  ``router._blocks`` (load accounting), ``router._hash`` (block hashes), ``router._cost`` (the
+  KV router's cost per candidate), ``runtime._sender`` (write-behind), ``engine_core._pass`` and
+  ``engine_core._kv`` (the scheduler pass and the KV manager's block loops);
+* as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
+  caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
+  ``slot_tracker._loads`` (``/potential_loads``) and ``pytorch._paged_attn`` (decode attention).
+
+``DYN_NATIVE=0`` forces every fallback (one CI pass, ``make test-fallback``, runs the suites that
+way); otherwise a native module is used whenever it imports."""
 
 from __future__ import annotations
 
