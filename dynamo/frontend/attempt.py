@@ -34,7 +34,6 @@ from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Router, Selection
-from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, NoInstances, ResponseTimeout
@@ -154,7 +153,6 @@ def route(
 
 
 async def held_route(
-    queue: RouterQueue,
     router: Router,
     request: PreprocessedRequest,
     live: Callable[[], list[ModelCard]],
@@ -162,13 +160,14 @@ async def held_route(
     timeouts: Timeouts,
     metrics: FrontendMetrics | None = None,
 ) -> Selection:
-    """:func:`route` through the router's queue (FACTS §4.5): at once when a worker has
-    capacity, else held (the ``route`` span and stage cover the wait) until capacity frees and
-    routed then. A request held past ``timeouts.first_response_s`` fails with
-    ``ResponseTimeout``; one whose context stops while held, with ``Cancelled``; a full queue
-    refuses it (``QueueFull``, 529)."""
-    waiter = queue.hold(request, live)
-    if waiter is None:
+    """:func:`route` among ``live()``, through the router's queue when it has one (FACTS §4.5):
+    at once when a worker has capacity, else held (the ``route`` span and stage cover the wait)
+    until capacity frees and routed then. A request held past ``timeouts.first_response_s``
+    fails with ``ResponseTimeout``; one whose context stops while held, with ``Cancelled``; a
+    full queue refuses it (``QueueFull``, 529)."""
+    queue = router.queue
+    waiter = queue.hold(request, live) if queue is not None else None
+    if queue is None or waiter is None:
         return route(router, request, live(), metrics)
     with (
         metrics.stage("route") if metrics is not None else nullcontext(),
@@ -229,16 +228,8 @@ async def attempts(
                 current = tracing.with_predecessor(current, stats.trace_link)
             try:
                 metrics = entry.pipeline.metrics if entry.pipeline is not None else None
-                router = entry.router
-                queue: RouterQueue | None = getattr(router, "queue", None)
-                if queue is None:
-                    live_now = _live(entry, avoid, current, failure is not None)
-                    selection = route(router, current, live_now, metrics)
-                else:
-                    live = partial(_live, entry, avoid, current, failure is not None)
-                    selection = await held_route(
-                        queue, router, current, live, ctx, timeouts, metrics
-                    )
+                live = partial(_live, entry, avoid, current, failure is not None)
+                selection = await held_route(entry.router, current, live, ctx, timeouts, metrics)
             except DynamoError:
                 if failure is not None:  # nowhere left to migrate to: the failure stands
                     outcome = "failure"
@@ -278,7 +269,7 @@ async def attempts(
                 await attempt.aclose()
     finally:
         migration.finish(outcome)
-        series: RouterRequestSeries | None = getattr(entry.router, "series", None)
+        series = entry.router.series
         if series is not None and stats.selection is not None:  # routed by a KV router
             _observe_ended(series, stats, began)
 

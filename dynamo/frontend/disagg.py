@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynamo.frontend.attempt import Load, Timeouts, held_route, placed, route, transport
+from dynamo.frontend.attempt import Load, Timeouts, held_route, placed, transport
 from dynamo.frontend.migration import is_instance_fault
 from dynamo.frontend.prefill_queue import PrefillQueueDispatch
 from dynamo.observability.metrics import FrontendMetrics
@@ -55,7 +55,6 @@ from dynamo.protocol.model_card import ModelCard, WorkerRole
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import OutputOptions, PreprocessedRequest, RoutingHints, TraceLink
 from dynamo.router.basic import Selection
-from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.config import add_flag
 from dynamo.runtime.context import Context
 from dynamo.runtime.discovery.base import Discovery
@@ -353,17 +352,12 @@ class Disaggregation:
         if queued:
             return await self._queued_prefill(entry, prefill_request, ctx, timeouts, on_link)
         router = entry.routers[WorkerRole.PREFILL]
-        queue: RouterQueue | None = getattr(router, "queue", None)
-        if queue is None:
-            selection = route(router, prefill_request, [entry.cards[i] for i in live])
-        else:  # held until a prefill worker has capacity (--router-queue-threshold)
 
-            def prefill_candidates() -> list[ModelCard]:
-                return [entry.cards[i] for i in entry.live_instance_ids(WorkerRole.PREFILL)]
+        def prefill_candidates() -> list[ModelCard]:
+            return [entry.cards[i] for i in entry.live_instance_ids(WorkerRole.PREFILL)]
 
-            selection = await held_route(
-                queue, router, prefill_request, prefill_candidates, ctx, timeouts
-            )
+        # Held until a prefill worker has capacity when the router has a queue.
+        selection = await held_route(router, prefill_request, prefill_candidates, ctx, timeouts)
         load = Load(router, request.request_id or ctx.id)
         loads.append(load)
         self._count(model, "remote")

@@ -13,11 +13,15 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dynamo.protocol.model_card import ModelCard
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.errors import NoInstances
+
+if TYPE_CHECKING:
+    from dynamo.observability.router_metrics import RouterRequestSeries
+    from dynamo.router.waiting import RouterQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,11 @@ class Selection:
 
 
 class Router(Protocol):
+    queue: RouterQueue | None
+    """Requests held for capacity (``--router-queue-threshold``; KV routers only), or None."""
+    series: RouterRequestSeries | None
+    """The ``dynamo_component_router_*`` series this router's requests feed, or None."""
+
     def select(self, request: PreprocessedRequest, candidates: Sequence[ModelCard]) -> Selection:
         """Pick a target; raise NoInstances (none live) or Overloaded (all busy)."""
         ...
@@ -53,7 +62,10 @@ class Router(Protocol):
 
 
 class _Stateless:
-    """The lifecycle of a router that keeps no per-worker state."""
+    """The lifecycle of a router that keeps no per-worker state (no queue, no series)."""
+
+    queue: RouterQueue | None = None
+    series: RouterRequestSeries | None = None
 
     def on_first_token(self, request_id: str) -> None:
         pass

@@ -133,6 +133,9 @@ class ScriptedWorker:
 class CountingRouter:
     """Round-robin over candidates, DP rank = the choice's index; counts every call."""
 
+    queue = None  # no router queue, no router series (the Router protocol's attributes)
+    series = None
+
     def __init__(self) -> None:
         self.selected: Counter[str] = Counter()
         self.first_tokens: Counter[str] = Counter()
