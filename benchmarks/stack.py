@@ -52,9 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import (  # noqa: E402
     MODEL,
     PLANES,
+    REFERENCE_LOOPBACK,
     REPO,
     Child,
     free_port,
+    isolate_network,
     service_env,
     wait_model,
 )
@@ -140,10 +142,11 @@ class Stack:
     ) -> None:
         self.label = label
         self._dir = tempfile.TemporaryDirectory(prefix=f"dynamo-stack-{label}-")
-        env = service_env(self._dir.name, **(extra_env or {}))
+        ours = python == sys.executable
+        loopback = {} if ours else REFERENCE_LOOPBACK
+        env = service_env(self._dir.name, **loopback, **(extra_env or {}))
         mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
         mocker_args += ["--speedup-ratio", f"{speedup:g}"]
-        ours = python == sys.executable
         port = 0 if ours else free_port()
         frontend_args = ["-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
         frontend_args += ["--http-port", str(port)]
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/stack.json")
     args = parser.parse_args(argv)
+    if args.reference_python:
+        isolate_network()
     if args.tracing:
         return tracing_modes(args)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
