@@ -63,9 +63,7 @@ class _ClientConnection(FrameWriter):
                 f"request of {size} bytes exceeds the maximum frame size {self.max_frame_size}"
             )
         self.streams[sid] = inbox
-        self.write(head)
-        if body:
-            self.write(body)
+        self.write_leading(head, body)
         return sid
 
     def send_control(self, kind: int, sid: int, arg: int) -> None:
