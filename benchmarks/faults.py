@@ -22,9 +22,13 @@ on a loaded machine that takes longer than 5 s). Reported:
   in the new worker's engine (re-route, request plane), ``queued`` arrival to the start of the
   pass that produced its next token, ``pass`` that pass's modelled time (prefill of the
   continuation, batched with the others' work), ``late`` how late the worker's loop delivered
-  it (CPU starvation), ``return`` the new worker to the client. ``engine_share`` (stall +
-  queued + pass - ITL: the modelled engine) and ``overhead_share`` (the rest) sum to the gap
-  minus the ITL.
+  it (CPU starvation), ``return`` the new worker to the client (its baseline: the same path
+  for the first token of a request that was not migrated). ``engine_share`` (stall + queued +
+  pass - ITL: the modelled engine) and ``overhead_share`` (the rest) sum to the gap minus the
+  ITL;
+* the timing model's floor for this workload (a Monte Carlo of the engine alone), and that
+  floor plus this run's detection times: the added gap if the frontend, request plane and
+  return path cost nothing.
 
 Goal: 100 % complete, 0 short, a migration adds < 50 ms to the affected stream's gap at p99.
 
@@ -108,6 +112,13 @@ class Stream:
         gaps = [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
         return statistics.median(gaps) if gaps else 0.0
 
+    def gap_closed_after(self, t: float) -> tuple[float, float] | None:
+        """(previous chunk, first chunk read at or after ``t``)."""
+        for a, b in zip(self.chunks, self.chunks[1:], strict=False):
+            if b >= t:
+                return a, b
+        return None
+
     def gap_across(self, t: float) -> tuple[float, float] | None:
         """(previous chunk, next chunk) around ``t``, if the stream was streaming then."""
         for a, b in zip(self.chunks, self.chunks[1:], strict=False):
@@ -140,9 +151,12 @@ def log_records(lines: list[str]) -> list[dict[str, object]]:
     return out
 
 
-def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list[Migration], int]:
-    """The frontend's migrations, each with the first-token line of its continuation, and the
-    median prompt length of the requests (their first attempts)."""
+def find_migrations(
+    frontend: list[str], workers: list[list[str]]
+) -> tuple[list[Migration], int, dict[str, float]]:
+    """The frontend's migrations, each with the first-token line of its continuation, the
+    median prompt length of the requests (their first attempts), and when each request's first
+    attempt made its first token (its worker's line; the baseline of the ``return`` part)."""
     found: list[Migration] = []
     for rec in log_records(frontend):
         msg = str(rec["message"])
@@ -159,16 +173,17 @@ def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list
                 fields = {k: float(v) for k, v in (kv.split("=") for kv in msg.split()[4:])}
                 firsts[rid].append((float(str(rec["t"])), fields))
     for m in found:
-        after = sorted(f for f in firsts.get(m.request_id, []) if f[0] > m.at)
+        after = sorted((f for f in firsts.get(m.request_id, []) if f[0] > m.at), key=lambda f: f[0])
         if after:
             m.first_token = {"t": after[0][0], **after[0][1]}
     isls = [min(f["prompt_tokens"] for _, f in v) for v in firsts.values()]
-    return found, round(statistics.median(isls)) if isls else 0
+    first_made = {rid: min(t for t, _ in v) for rid, v in firsts.items()}
+    return found, round(statistics.median(isls)) if isls else 0, first_made
 
 
 def model_floor(
     isl: int, osl: int, workers: int, concurrency: int, trials: int = 20000
-) -> dict[str, tuple[float, float]]:
+) -> dict[str, list[float]]:
     """(p50, p99) ms of the added gap the timing model alone gives (FACTS §6.4, the mocker's
     default pool; no CPU, no transport): a Monte Carlo of one kill. Each worker decodes
     ``concurrency / workers`` streams (D per pass) and prefills the closed loop's new arrivals
@@ -184,7 +199,7 @@ def model_floor(
     pf = prefill_ms(isl) + d
     in_prefill = min(1.0, k / (osl * d / 1000) * pf / 1000)  # share of time in such passes
     survivors = max(1, workers - 1)
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, list[float]] = {}
     for placement in ("spread", "avoid_prefill"):
         added: list[float] = []
         for _ in range(trials // k + 1):
@@ -200,8 +215,18 @@ def model_floor(
                     left = rng.uniform(0, pf) if busy[target] else rng.uniform(0, d)
                     t = left + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
                     added += [t] * len(group)
-        out[placement] = (round(pct(added, 0.5), 1), round(pct(added, 0.99), 1))
+        out[placement] = added
     return out
+
+
+def with_detection(floor: list[float], detect_ms: list[float]) -> list[float]:
+    """The model floor's migrations, each delayed by a detection time drawn from this run's
+    (kill to the frontend's decision): the added gap with nothing else in the way (no frontend,
+    request plane or return path; a CPU to spare)."""
+    if not detect_ms:
+        return []
+    rng = random.Random(1)
+    return [f + rng.choice(detect_ms) for f in floor]
 
 
 def migrations(port: int) -> dict[str, float]:
@@ -214,6 +239,10 @@ def migrations(port: int) -> dict[str, float]:
                 if f'migration_type="{kind}"' in line:
                     out[kind] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def p50_p99(values: list[float]) -> tuple[float, float]:
+    return round(pct(values, 0.5), 1), round(pct(values, 0.99), 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -354,7 +383,15 @@ def main() -> int:
     ttft_p50 = statistics.median(ttft_all) if ttft_all else 0.0
     by_id = {s.request_id: s for s in streams}
     kill_times = sorted(kills)
-    found, isl = find_migrations(frontend.lines, [c.lines for c in children[1:]])
+    found, isl, first_made = find_migrations(frontend.lines, [c.lines for c in children[1:]])
+    # The same path for a token that needs no migration: a new request's first token, from its
+    # worker's line to the client (the ``return`` part's baseline).
+    migrated_ids = {m.request_id for m in found}
+    plain_return = [
+        s.chunks[0] - first_made[s.request_id]
+        for s in streams
+        if s.chunks and s.request_id in first_made and s.request_id not in migrated_ids
+    ]
     added: list[float] = []  # gap - max(median ITL, stall before the kill)
     naive: list[float] = []  # gap - median ITL
     gaps: list[float] = []
@@ -369,7 +406,11 @@ def main() -> int:
             if s.ttft is not None:
                 new_ttft.append(s.ttft)
             continue
-        around = s.gap_across(m.at)
+        ft = m.first_token
+        # The gap the continuation's first token closes: the first chunk the client read after
+        # its worker made it. (Across the decision instant instead, a client lagging behind
+        # the frontend, on a loaded machine, still reads the dead worker's last tokens then.)
+        around = s.gap_closed_after(ft["t"]) if ft is not None else s.gap_across(m.at)
         if around is None:
             continue
         gap = around[1] - around[0]
@@ -381,7 +422,6 @@ def main() -> int:
         # that delay is not the migration's.
         stall = 0.0 if killed is None else killed - around[0]
         added.append(gap - max(s.median_itl(), stall))
-        ft = m.first_token
         if killed is None or ft is None:
             continue
         arrival = ft["t"] - (ft["late_ms"] + ft["pass_ms"] + ft["queued_ms"]) / 1000
@@ -409,6 +449,7 @@ def main() -> int:
         worst.append((added[-1], detail))
     worst.sort(key=lambda x: -x[0])
     added_p99 = round(pct(added, 0.99) * 1000, 1)
+    floor = model_floor(isl, args.osl, args.workers, args.concurrency)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, Python {platform.python_version()}",
@@ -437,10 +478,16 @@ def main() -> int:
         "ttft_ms_migrated_p99": round(pct(new_ttft, 0.99) * 1000, 1),
         "breakdown_ms_p50": {k: round(pct(v, 0.5) * 1000, 1) for k, v in parts.items()},
         "breakdown_ms_p99": {k: round(pct(v, 0.99) * 1000, 1) for k, v in parts.items()},
+        "return_ms_p50_p99_unmigrated_first_token": [
+            round(pct(plain_return, q) * 1000, 1) for q in (0.5, 0.99)
+        ],
         "breakdown_ms_mean": {
             k: round(statistics.fmean(v) * 1000, 1) if v else None for k, v in parts.items()
         },
-        "model_floor_ms_p50_p99": model_floor(isl, args.osl, args.workers, args.concurrency),
+        "model_floor_ms_p50_p99": {k: p50_p99(v) for k, v in floor.items()},
+        "model_floor_plus_detect_ms_p50_p99": p50_p99(
+            with_detection(floor["avoid_prefill"], [d * 1000 for d in parts["detect"]])
+        ),
         "engine_share_ms_p50_p99": [round(pct(engine, q) * 1000, 1) for q in (0.5, 0.99)],
         "overhead_share_ms_p50_p99": [round(pct(overhead, q) * 1000, 1) for q in (0.5, 0.99)],
         "worst_5": [d for _, d in worst[:5]],

@@ -5,8 +5,10 @@ they cannot be built:
 
 * with a pure-Python fallback of the same contract (``*_fallback``, chosen by :func:`load`):
   ``router._blocks`` (load accounting), ``router._hash`` (block hashes), ``router._cost`` (the
-  KV router's cost per candidate), ``runtime._sender`` (write-behind), ``engine_core._pass`` and
-  ``engine_core._kv`` (the scheduler pass and the KV manager's block loops);
+  KV router's cost per candidate), ``router._radix`` (the KV prefix tree: a native table of
+  blocks; the fallback keeps path-compressed runs), ``runtime._sender`` (write-behind),
+  ``engine_core._pass`` and ``engine_core._kv`` (the scheduler pass and the KV manager's block
+  loops);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
   ``slot_tracker._loads`` (``/potential_loads``) and ``pytorch._paged_attn`` (decode attention).

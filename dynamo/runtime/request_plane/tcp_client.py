@@ -134,6 +134,12 @@ class _ClientConnection(FrameWriter):
         streams, self.streams = self.streams, {}
         for inbox in streams.values():
             inbox.fail(type(reason)(reason.message))
+        if streams:
+            # Their consumers run next turn, in this order; those that retry elsewhere (request
+            # migration) queue their requests on other connections as they go. Those requests
+            # leave right after the last of them, together (a new instance batches what arrives
+            # together), instead of at the end of that turn, behind everything else it runs.
+            self.loop.call_soon(self.client.flush_all)
 
 
 class _CancelForwarder(Context):
@@ -305,6 +311,11 @@ class TCPRequestPlaneClient:
             await conn.closed
             raise CannotConnect("the request-plane client is closed")
         return conn
+
+    def flush_all(self) -> None:
+        """Send what every connection has queued, now rather than at its own flush."""
+        for conn in self._all:
+            conn.flush()
 
     def _forget(self, conn: _ClientConnection) -> None:
         pool = self._pools.get(conn.address)
