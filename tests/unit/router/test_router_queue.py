@@ -121,6 +121,17 @@ def test_drain_stops_at_the_first_request_that_is_not_ready() -> None:
     assert released == ["a", "b"] and q.items() == ["c"]
 
 
+def test_a_blocked_front_request_holds_back_later_ready_ones_as_in_the_reference() -> None:
+    """Head-of-line: the reference's ``SchedulerQueue::update`` stops at the first request whose
+    eligible workers are all busy (a pinned one, say), even when a later one could go."""
+    q: PendingQueue[str] = PendingQueue(clock=lambda: 0.0)
+    q.push("pinned-to-busy-worker")
+    q.push("any-worker")
+    released: list[str] = []
+    assert q.drain(lambda h: h.item == "any-worker", lambda h: released.append(h.item)) == 0
+    assert released == [] and q.items() == ["pinned-to-busy-worker", "any-worker"]
+
+
 # -- hold and release on capacity (the live router) -----------------------------------------
 def _card(worker_id: int, capacity: int | None = CAPACITY) -> ModelCard:
     return ModelCard(
