@@ -31,13 +31,26 @@ WANTED: Final[bool] = os.environ.get(ENV, "1").strip().lower() not in {"0", "fal
 """False when ``DYN_NATIVE`` is 0/false/no/off: every native helper uses its fallback."""
 
 
-def load(native: str, fallback: str) -> ModuleType:
-    """The module ``native`` if wanted and built, else ``fallback`` (both full module names)."""
+def load(native: str, fallback: str, *, requires: tuple[str, ...] = ()) -> ModuleType:
+    """The module ``native`` if wanted and built, else ``fallback`` (both full module names).
+
+    ``requires``: names the contract has; a native build without one of them is stale (built
+    from an older source: rebuild it) and the fallback is used, with a warning."""
     if WANTED:
         try:
-            return importlib.import_module(native)
+            module = importlib.import_module(native)
         except ImportError as exc:  # not built here: the fallback is the same contract
             log.warning("%s is not available (%s): using %s", native, exc, fallback)
+        else:
+            missing = [name for name in requires if not hasattr(module, name)]
+            if not missing:
+                return module
+            log.warning(
+                "%s is a stale build (no %s; rebuild it): using %s",
+                native,
+                ", ".join(missing),
+                fallback,
+            )
     return importlib.import_module(fallback)
 
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 from dynamo import native
 
-_impl = native.load("dynamo.engine_core._kv", "dynamo.engine_core._kv_fallback")
+_impl = native.load(
+    "dynamo.engine_core._kv", "dynamo.engine_core._kv_fallback", requires=("KVManager",)
+)
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.engine_core._kv`` or ``dynamo.engine_core._kv_fallback``)."""
 
