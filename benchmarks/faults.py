@@ -12,8 +12,11 @@ on a loaded machine that takes longer than 5 s). Reported:
   request carries an ``x-request-id``; the frontend logs each migration with it); the gap across
   the migration minus when the next token was due anyway: the stream's own median inter-token
   interval after the last token, or the kill itself when the killed worker was already later
-  than that (p50, p99; the plain gap minus the median ITL is reported too), and the time to
-  first token of requests migrated before their first token (``new_request``);
+  than that, or, when the killed worker was running a prefill pass (its ``prefill pass:``
+  debug line), that pass's end: one such pass after the last token (p50, p99; without that
+  last rule, as measured until 2026-11-26, and the plain gap minus the median ITL are reported
+  too), and the time to first token of requests migrated before their first token
+  (``new_request``);
 * where that gap goes, per migration, from the processes' JSONL logs (wall clock, one machine):
   ``stall`` the last token before the kill to the kill (the killed worker's pass in progress,
   lost; beyond one ITL it is not counted as added), ``detect`` the kill to the frontend's
@@ -181,6 +184,19 @@ def find_migrations(
     return found, round(statistics.median(isls)) if isls else 0, first_made
 
 
+def prefill_pass_at(victim: Child, t: float) -> float:
+    """Seconds of the prefill pass the killed worker was running at ``t`` (0: none); its
+    ``prefill pass:`` debug lines say when each such pass started and would have ended."""
+    passes = [rec for rec in log_records(victim.lines) if rec["t"] <= t]  # type: ignore[operator]
+    for rec in reversed(passes):
+        msg = str(rec["message"])
+        if msg.startswith("prefill pass: "):
+            fields = {k: float(v) for k, v in (kv.split("=") for kv in msg.split()[2:])}
+            ends = float(str(rec["t"])) + fields["ends_in_ms"] / 1000
+            return fields["pass_ms"] / 1000 if ends > t else 0.0
+    return 0.0
+
+
 def model_floor(
     isl: int, osl: int, workers: int, concurrency: int, trials: int = 20000
 ) -> dict[str, list[float]]:
@@ -191,7 +207,8 @@ def model_floor(
     spread evenly over the survivors (``spread``), or over the survivors not in a new request's
     prefill pass when there is one (``avoid_prefill``: the frontend's continuation placement);
     a survivor batches the ones it gets into one prefill pass after its pass in progress; the
-    pass the killed worker was running is lost (stall)."""
+    pass the killed worker was running is lost (stall), and its streams' next token was due at
+    its end (as the measured figure counts it)."""
     rng = random.Random(0)
     k = max(1, concurrency // workers)
     total = MockerConfig().total_kv_tokens
@@ -204,7 +221,9 @@ def model_floor(
         added: list[float] = []
         for _ in range(trials // k + 1):
             lengths = [isl + rng.randrange(osl) for _ in range(k)]
-            stall = rng.uniform(0, pf) if rng.random() < in_prefill else rng.uniform(0, d)
+            in_pass = rng.random() < in_prefill  # the killed worker was in a prefill pass
+            stall = rng.uniform(0, pf) if in_pass else rng.uniform(0, d)
+            due = pf if in_pass else d  # its streams' next token, after the last (>= stall)
             busy = [rng.random() < in_prefill for _ in range(survivors)]
             targets = [i for i in range(survivors) if not busy[i]]
             if placement == "spread" or not targets:
@@ -213,7 +232,7 @@ def model_floor(
                 group = lengths[j :: len(targets)]
                 if group:
                     left = rng.uniform(0, pf) if busy[target] else rng.uniform(0, d)
-                    t = left + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
+                    t = stall + left + prefill_ms(sum(group)) + d - due
                     added += [t] * len(group)
         out[placement] = added
     return out
@@ -324,6 +343,7 @@ def main() -> int:
 
     workers = [spawn() for _ in range(args.workers)]
     kills: list[float] = []  # time.time() of each SIGKILL
+    victims: dict[float, Child] = {}  # each SIGKILL's worker
     reaped: list[float] = []  # seconds from each SIGKILL to the victim's exit status
     skipped: list[float] = []  # kill instants skipped: a replacement was still starting
     streams: list[Stream] = []
@@ -354,6 +374,7 @@ def main() -> int:
                 workers.remove(victim)
                 workers.append(spawn())  # it joins when it has started (a few seconds)
                 kills.append(t)
+                victims[t] = victim
 
         thread = threading.Thread(target=killer, daemon=True)
         started = time.perf_counter()
@@ -392,7 +413,8 @@ def main() -> int:
         for s in streams
         if s.chunks and s.request_id in first_made and s.request_id not in migrated_ids
     ]
-    added: list[float] = []  # gap - max(median ITL, stall before the kill)
+    added: list[float] = []  # gap - when the next token was due anyway (see below)
+    added_kill_due: list[float] = []  # gap - max(median ITL, stall): the earlier definition
     naive: list[float] = []  # gap - median ITL
     gaps: list[float] = []
     new_ttft: list[float] = []
@@ -419,9 +441,13 @@ def main() -> int:
         killed = max((k for k in kill_times if k <= m.at), default=None)
         # Uninterrupted, the next token would have come one ITL after the last one, and not
         # before the kill: when the killed worker was already late (a long pass in progress),
-        # that delay is not the migration's.
+        # that delay is not the migration's; nor, when that pass was a prefill pass (a new
+        # request's prefill and every stream's next decode), the rest of it: the next token
+        # was due at its end, a pass after the last token.
         stall = 0.0 if killed is None else killed - around[0]
-        added.append(gap - max(s.median_itl(), stall))
+        lost = 0.0 if killed is None else prefill_pass_at(victims[killed], killed)
+        added.append(gap - max(s.median_itl(), stall, lost))
+        added_kill_due.append(gap - max(s.median_itl(), stall))
         if killed is None or ft is None:
             continue
         arrival = ft["t"] - (ft["late_ms"] + ft["pass_ms"] + ft["queued_ms"]) / 1000
@@ -445,6 +471,7 @@ def main() -> int:
         detail: dict[str, object] = {k: round(v * 1000, 1) for k, v in split.items()}
         detail["pass_prefill_tokens"] = ft["pass_prefill_tokens"]
         detail["added"] = round(added[-1] * 1000, 1)
+        detail["lost_prefill_pass"] = round(lost * 1000, 1)
         detail["request"] = m.request_id
         worst.append((added[-1], detail))
     worst.sort(key=lambda x: -x[0])
@@ -471,6 +498,9 @@ def main() -> int:
         "gap_ms_p99": round(pct(gaps, 0.99) * 1000, 1),
         "added_gap_ms_p50": round(pct(added, 0.5) * 1000, 1),
         "added_gap_ms_p99": added_p99,
+        "added_gap_kill_due_ms_p50_p99": [
+            round(pct(added_kill_due, q) * 1000, 1) for q in (0.5, 0.99)
+        ],
         "added_gap_vs_itl_only_ms_p50": round(pct(naive, 0.5) * 1000, 1),
         "added_gap_vs_itl_only_ms_p99": round(pct(naive, 0.99) * 1000, 1),
         "ttft_ms_p50_all": round(ttft_p50 * 1000, 1),

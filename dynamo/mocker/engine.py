@@ -256,6 +256,8 @@ class MockerEngine(LLMEngine):
                     previous_end = None
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
+                if out.num_prefill_tokens and log.isEnabledFor(logging.DEBUG):
+                    _log_prefill_pass(out, self.clock.now())
                 hand_out = False  # let consumers take the tokens right after this pass
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
                     previous_end = out.start + out.duration
@@ -445,6 +447,19 @@ async def _let_tokens_leave() -> None:
     connection flushes what one loop iteration queued at the end of it, ``tcp_connection.py``)."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)
+
+
+def _log_prefill_pass(out: StepOutput, now: float) -> None:
+    """A pass with prefill work starts (debug; the fault benchmark reads it to know when the
+    next token of a killed worker's streams was due: at the end of such a pass in progress).
+    Written at once, not later: the worker may be killed before the pass ends."""
+    log.debug(
+        "prefill pass: ends_in_ms=%.3f pass_ms=%.3f pass_prefill_tokens=%d decodes=%d",
+        (out.start + out.duration - now) * 1000,
+        out.duration * 1000,
+        out.num_prefill_tokens,
+        out.num_decodes,
+    )
 
 
 def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:

@@ -138,8 +138,8 @@ class RouterRequestMetrics:
         )
         self.source_mismatch = Gauge(
             "dynamo_component_router_kv_event_source_mismatch_workers",
-            "Workers the router expects KV events from whose KV query endpoint "
-            "(kv_recovery) is not registered",
+            "Workers the router expects KV events from that explicitly disabled KV event "
+            "publishing or have no registered KV query endpoint (kv_recovery)",
             [*names, *SOURCE_LABELS],
             registry=r,
         )

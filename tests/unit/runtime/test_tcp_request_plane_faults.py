@@ -284,9 +284,23 @@ async def test_retries_after_a_lost_connection_leave_together_before_other_work(
     seen: list[tuple[int, int]] = []  # (requests sent to the other server, bytes still queued)
     original = tcp_client._ClientConnection.connection_lost
 
+    writes: list[int] = []  # sizes of the writes to the other server after the loss
+
+    class Recording:
+        def __init__(self, transport: asyncio.Transport) -> None:
+            self._transport = transport
+
+        def write(self, data: bytes) -> None:
+            writes.append(len(data))
+            self._transport.write(data)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._transport, name)
+
     def connection_lost(conn: tcp_client._ClientConnection, exc: Exception | None) -> None:
         original(conn, exc)
         [to_other] = [c for c in client._all if c.address == other.address]
+        to_other.transport = Recording(to_other.transport)  # type: ignore[arg-type, assignment]
         # Queued behind the failed streams' consumers, as other work of that turn would be.
         conn.loop.call_soon(lambda: seen.append((len(to_other.streams), len(to_other._out))))
 
@@ -313,6 +327,7 @@ async def test_retries_after_a_lost_connection_leave_together_before_other_work(
             results = await asyncio.gather(*tasks)
         assert results == [[b"0", b"1"]] * 3
         assert seen == [(3, 0)], "all three sent, and flushed before the next callback"
+        assert len(writes) == 1, "in one write (a lone request's frame would leave at once)"
     finally:
         await client.close()
         for srv in servers:
