@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 from dynamo import native
 
-_impl = native.load("dynamo.router._radix", "dynamo.router._radix_fallback")
+_impl = native.load(
+    "dynamo.router._radix", "dynamo.router._radix_fallback", requires=("RadixTree",)
+)
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.router._radix`` or ``dynamo.router._radix_fallback``)."""
 
