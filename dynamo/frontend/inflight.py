@@ -80,7 +80,8 @@ class InflightRequest:
         self.model = "unknown"
         self.request_type = "unary"
         client_id = http.header("x-dynamo-request-id") or http.header("x-request-id")
-        # 32 random hex digits, as uuid4().hex reads, at a third of its cost (~2 vs 7 us)
+        # 128 random bits in hex, as uuid4().hex but without building a UUID (a fifth of the
+        # cost, on every request's path to its first token)
         self.request_id = client_id or os.urandom(16).hex()
         self.id_headers = [
             ("x-request-id", self.request_id),
