@@ -140,3 +140,21 @@ class FakeExchange:
         import json
 
         return json.loads(self.response)
+
+
+class FakeTransport:
+    """An asyncio transport that keeps what the protocol writes (``out``) and whether it
+    closed: drives an HTTP protocol without a socket."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def can_write_eof(self) -> bool:
+        return False

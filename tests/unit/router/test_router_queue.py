@@ -14,6 +14,7 @@ from dynamo.protocol.request import PreprocessedRequest, RoutingHints
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
 from dynamo.router.queue import PendingQueue, QueueFull, QueuePolicy, policy_key
+from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import Cancelled, Overloaded, ResponseTimeout
 
@@ -162,6 +163,18 @@ def _request(rid: str, tokens: int = 12, **hints: Any) -> PreprocessedRequest:
     )
 
 
+def _one_busy_worker() -> tuple[KVRouter, list[ModelCard], RouterQueue]:
+    """A queueing router (threshold 0: any prefill in flight saturates a worker) with one
+    worker, busy with the request ``busy``: the next request is held."""
+    router = _router(threshold=0.0)
+    cards = [_card(1)]
+    router.add_worker(cards[0])
+    queue = router.queue
+    assert queue is not None
+    router.select(_request("busy"), cards)
+    return router, cards, queue
+
+
 async def test_held_while_every_worker_is_saturated_and_routed_when_prefill_completes() -> None:
     router = _router()
     cards = [_card(1), _card(2)]
@@ -187,12 +200,7 @@ async def test_held_while_every_worker_is_saturated_and_routed_when_prefill_comp
 
 
 async def test_released_in_policy_order_one_capacity_at_a_time() -> None:
-    router = _router(threshold=0.0)  # any prefill in flight saturates the one worker
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     order: list[str] = []
     waits = []
     for rid, hints in (
@@ -248,12 +256,7 @@ async def test_a_full_queue_refuses_and_a_new_worker_releases_the_held() -> None
 
 
 async def test_cancel_while_queued_removes_the_entry_and_holds_nothing() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("gone"), lambda: cards)
     assert held is not None
     ctx = Context()
@@ -268,12 +271,7 @@ async def test_cancel_while_queued_removes_the_entry_and_holds_nothing() -> None
 
 
 async def test_a_task_cancelled_after_its_release_frees_the_load_it_was_given() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("late"), lambda: cards)
     assert held is not None
     waiting = asyncio.ensure_future(queue.wait(held, Context(), 10))
@@ -287,12 +285,7 @@ async def test_a_task_cancelled_after_its_release_frees_the_load_it_was_given() 
 
 
 async def test_held_past_the_response_timeout_fails_as_a_response_timeout() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("slow"), lambda: cards)
     assert held is not None
     with pytest.raises(ResponseTimeout):
