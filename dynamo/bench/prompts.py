@@ -21,6 +21,7 @@ import random
 import re
 from collections.abc import Sequence
 
+from dynamo.bench.draw import choices
 from dynamo.preprocess import ModelDir
 
 _WORD = re.compile(r" [a-z]{2,}")
@@ -121,23 +122,23 @@ class PromptBuilder:
             )
         content = list(words)
         if self.mode == "ids":
-            content = content[:total] + rng.choices(self.words, k=max(0, total - len(content)))
+            content = content[:total] + choices(rng, self.words, max(0, total - len(content)))
             return content, None, content
         want = total - self.overhead
         if len(content) > want:
             content = content[:want]
         elif len(content) < want:
-            content += rng.choices(self.words, k=want - len(content))
+            content += choices(rng, self.words, want - len(content))
         for attempt in range(24):
             count = self._count_content(content)
             if count == total:
                 return content, self._messages(content), self._prompt(content)
             if count < total:
-                content += rng.choices(self.words, k=total - count)
+                content += choices(rng, self.words, total - count)
             elif attempt < 12:
                 del content[max(0, len(content) - (count - total)) :]
             else:  # removal oscillates around a merge: swap the last word instead
-                content[-1:] = rng.choices(self.words, k=1)
+                content[-1:] = choices(rng, self.words, 1)
         raise ValueError(f"could not build a prompt of exactly {total} tokens")
 
     def _messages(self, content: list[int]) -> list[dict[str, str]] | None:
