@@ -35,7 +35,7 @@ on a loaded machine that takes longer than 5 s). Reported:
 
 Goal: 100 % complete, 0 short, a migration adds < 50 ms to the affected stream's gap at p99.
 
-    .venv/bin/python benchmarks/faults.py [--requests 2000] [--concurrency 32] [--osl 256]
+    .venv/bin/python -m benchmarks.faults [--requests 2000] [--concurrency 32] [--osl 256]
         [--workers 4] [--kill-every 5] [--router-mode round-robin|kv|...]
         [--out bench-results/faults.json] [--logs DIR]
 """
