@@ -183,3 +183,43 @@ def wait_model(url: str, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"no model appeared in {url}/v1/models within {timeout:g} s")
+
+
+_RECEIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.otlp_receiver import OtlpReceiver
+r = OtlpReceiver()
+print(r.endpoint, flush=True)
+sys.stdin.read()
+print(len(r.spans), flush=True)
+r.close()
+"""
+
+
+class OtlpReceiverProcess:
+    """The tests' OTLP/HTTP receiver (``tests/otlp_receiver.py``) in a process of its own, so
+    that its CPU is not the measured process's: ``endpoint`` once it listens, :meth:`spans`
+    (how many it received; it stops then); ``with`` kills it on the way out."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER, str(REPO)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.endpoint = self.proc.stdout.readline().strip()
+
+    def spans(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        return int(self.proc.stdout.readline().strip() or 0)
+
+    def __enter__(self) -> OtlpReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -40,9 +40,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,8 @@ from launcher import (  # noqa: E402
     MODEL,
     PLANES,
     REFERENCE_LOOPBACK,
-    REPO,
     Child,
+    OtlpReceiverProcess,
     free_port,
     isolate_network,
     service_env,
@@ -173,6 +173,32 @@ class Stack:
         self._dir.cleanup()
 
 
+def run_rounds(
+    args: argparse.Namespace,
+    levels: list[int],
+    stacks: list[tuple[str, Callable[[], Stack]]],
+    width: int,
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """``args.rounds`` rounds of every stack (started anew for each, in turn), each driven at
+    every concurrency level: per label, per round, per level, the figures of :func:`run_level`
+    (printed as they come, the label right-aligned to ``width``)."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in stacks}
+    for round_ in range(args.rounds):
+        for label, start in stacks:
+            stack = start()
+            try:
+                results = []
+                for c in levels:
+                    count = REQUESTS.get(c, 1000)
+                    count = max(count // 5, 2 * c) if args.quick else count
+                    results.append(run_level(stack.url, c, count, args, stack.pids))
+                    print(f"{label:>{width}} r{round_ + 1} " + _row(results[-1]), flush=True)
+                runs[label].append(results)
+            finally:
+                stack.stop()
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated levels")
@@ -202,20 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     targets = [("dynamo-py", sys.executable)]
     if args.reference_python:
         targets.append(("reference", args.reference_python))
-    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in targets}
-    for round_ in range(args.rounds):
-        for label, python in targets:
-            stack = Stack(label, python, speedup)
-            try:
-                results = []
-                for c in levels:
-                    count = REQUESTS.get(c, 1000)
-                    count = max(count // 5, 2 * c) if args.quick else count
-                    results.append(run_level(stack.url, c, count, args, stack.pids))
-                    print(f"{label:>10} r{round_ + 1} " + _row(results[-1]), flush=True)
-                runs[label].append(results)
-            finally:
-                stack.stop()
+    stacks = [
+        (label, lambda label=label, python=python: Stack(label, python, speedup))
+        for label, python in targets
+    ]
+    runs = run_rounds(args, levels, stacks, width=10)
     report: dict[str, Any] = {
         "benchmark": "stack",
         "date": datetime.date.today().isoformat(),
@@ -264,18 +281,6 @@ def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
     raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
 
 
-RECEIVER = """
-import sys
-sys.path.insert(0, sys.argv[1])
-from tests.otlp_receiver import OtlpReceiver
-r = OtlpReceiver()
-print(r.endpoint, flush=True)
-sys.stdin.read()
-print(len(r.spans), flush=True)
-r.close()
-"""
-
-
 def tracing_modes(args: argparse.Namespace) -> int:
     """Our stack once per tracing mode and round (modes alternating), CPU per request compared
     with ``off``: medians over the rounds, and medians of each round's ratio (paired rounds
@@ -284,34 +289,15 @@ def tracing_modes(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.tracing.split(",") if m.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     speedup = args.speedup_ratio or 0.0
-    receiver = subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, str(REPO)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert receiver.stdin is not None and receiver.stdout is not None
-    endpoint = receiver.stdout.readline().strip()
-    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
-    try:
-        for round_ in range(args.rounds):
-            for mode in modes:
-                stack = Stack(mode, sys.executable, speedup, tracing_env(mode, endpoint))
-                try:
-                    results = []
-                    for c in levels:
-                        count = REQUESTS.get(c, 1000)
-                        count = max(count // 5, 2 * c) if args.quick else count
-                        results.append(run_level(stack.url, c, count, args, stack.pids))
-                        print(f"{mode:>7} r{round_ + 1} " + _row(results[-1]), flush=True)
-                    runs[mode].append(results)
-                finally:
-                    stack.stop()
-        receiver.stdin.close()
-        spans = int(receiver.stdout.readline().strip() or 0)
-    finally:
-        receiver.kill()
-        receiver.wait()
+    with OtlpReceiverProcess() as receiver:
+        endpoint = receiver.endpoint
+
+        def traced(mode: str) -> Callable[[], Stack]:
+            return lambda: Stack(mode, sys.executable, speedup, tracing_env(mode, endpoint))
+
+        stacks = [(mode, traced(mode)) for mode in modes]
+        runs = run_rounds(args, levels, stacks, width=7)
+        spans = receiver.spans()
     compared: dict[str, Any] = {}
     for c in levels:
         base = {k: _median_of(runs["off"], c, k) for k in CPU_KEYS} if "off" in runs else {}

@@ -120,9 +120,10 @@ class PromptBuilder:
                 f"an input length of {total} tokens is below this prompt form's minimum of "
                 f"{max(1, self.overhead)} (chat template / special tokens)"
             )
-        content = list(words)
+        content = list(words)  # the caller's words are never modified
         if self.mode == "ids":
-            content = content[:total] + choices(rng, self.words, max(0, total - len(content)))
+            del content[total:]
+            content += choices(rng, self.words, max(0, total - len(content)))
             return content, None, content
         want = total - self.overhead
         if len(content) > want:

@@ -166,7 +166,7 @@ class PrefixWorkload:
             group = pick.randrange(len(self.prefixes))
             spec = spec_from_fit(
                 self._builder,
-                list(self.prefixes[group]),
+                self.prefixes[group],  # fit copies it
                 self._total,
                 self._osl,
                 rng,

@@ -14,22 +14,13 @@ from dynamo.frontend.offload import Offload
 from dynamo.preprocess import Preprocessor, demo_model_path, load_model_dir
 from dynamo.protocol.model_card import ModelCard
 from dynamo.runtime.errors import Overloaded
+from tests.fakes import make_card
 
 pytestmark = pytest.mark.unit
 
 
 def card(max_num_seqs: int | None) -> ModelCard:
-    return ModelCard(
-        model_path="demo",
-        served_model_name="demo",
-        namespace="dynamo",
-        component="backend",
-        endpoint="generate",
-        instance_id=1,
-        context_length=4096,
-        kv_block_size=16,
-        max_num_seqs=max_num_seqs,
-    )
+    return make_card(1, model_path="demo", max_num_seqs=max_num_seqs)
 
 
 def test_capacity_is_factor_times_the_advertised_slots() -> None:

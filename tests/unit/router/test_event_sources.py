@@ -20,6 +20,7 @@ from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+from tests.fakes import make_card
 
 ENDPOINT = EndpointId("sources", "backend", "generate")
 GAUGE = "dynamo_component_router_kv_event_source_mismatch_workers"
@@ -68,15 +69,11 @@ def test_a_worker_without_kv_events_counts_at_once_whatever_it_serves() -> None:
 
 
 def card(worker_id: int, kv_events: bool = True) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path="",
+    return make_card(
+        worker_id,
         namespace=ENDPOINT.namespace,
         component=ENDPOINT.component,
         endpoint=ENDPOINT.endpoint,
-        instance_id=worker_id,
-        context_length=4096,
-        kv_block_size=16,
         kv_events=kv_events,
     )
 

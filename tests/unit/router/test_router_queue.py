@@ -17,6 +17,7 @@ from dynamo.router.queue import PendingQueue, QueueFull, QueuePolicy, policy_key
 from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import Cancelled, Overloaded, ResponseTimeout
+from tests.fakes import make_card
 
 BS = 4
 CAPACITY = 16  # max_num_batched_tokens of every test worker
@@ -135,17 +136,7 @@ def test_a_blocked_front_request_holds_back_later_ready_ones_as_in_the_reference
 
 # -- hold and release on capacity (the live router) -----------------------------------------
 def _card(worker_id: int, capacity: int | None = CAPACITY) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path="",
-        namespace="ns",
-        component="backend",
-        endpoint="generate",
-        instance_id=worker_id,
-        context_length=4096,
-        kv_block_size=BS,
-        max_num_batched_tokens=capacity,
-    )
+    return make_card(worker_id, namespace="ns", kv_block_size=BS, max_num_batched_tokens=capacity)
 
 
 def _router(threshold: float | None = 0.5, **settings: Any) -> KVRouter:
