@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -389,6 +390,7 @@ def main() -> int:
         for child in children:
             if child.proc.poll() is None:
                 child.stop()
+        shutil.rmtree(discovery, ignore_errors=True)
 
     if args.logs:
         for child in children:
