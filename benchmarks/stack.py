@@ -6,6 +6,8 @@ Per level: req/s, TTFT p50/p99, and the CPU milliseconds per request of the fron
 the mocker (``/proc``, all threads), plus the bench client's own CPU per request (it shares the
 machine, so it must stay small: its HTTP/SSE client is a lean asyncio protocol; httpx measured
 ~5.6 ms of client CPU per 64-chunk stream on the 2-core VM, the lean client ~0.4-0.6 ms).
+Column ``(loop)``: the part of the frontend's CPU spent on its main thread, ours the event loop
+that caps one frontend process at one core (the reference's HTTP runs on Rust threads: ~0).
 
     .venv/bin/python benchmarks/stack.py                      # full run
     .venv/bin/python benchmarks/stack.py --quick              # fewer requests

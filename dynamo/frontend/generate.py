@@ -182,7 +182,7 @@ class GenerateHandler:
                     tracing.tracer().start_as_current_span("preprocess") as span,
                 ):
                     began = time.perf_counter()
-                    prepared, extras = await self._preprocess(preprocessor, req, inflight)
+                    prepared, extras = await self._prepare(preprocessor, req, inflight)
                     elapsed_ms = (time.perf_counter() - began) * 1000.0
                     self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
@@ -207,7 +207,7 @@ class GenerateHandler:
             inflight.finish("error", "internal")  # a backstop: a no-op once finished
         return body_bytes
 
-    async def _preprocess(
+    async def _prepare(
         self, preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
     ) -> tuple[list[Prepared], ResponseExtras | None]:
         """Template, tokenize and shape ``req``: a large one whole on the offload pool; else the
@@ -215,7 +215,7 @@ class GenerateHandler:
         thread (it releases the GIL: the loop serves them meanwhile)."""
         size = _prompt_size(req)
         if not self.offload.inline(size):
-            return await self.offload.run(size, _preprocess, preprocessor, req, inflight)
+            return await self.offload.run(size, _prepare_whole, preprocessor, req, inflight)
         plan = plan_request(preprocessor, req, inflight.engine_id, inflight.priority_headers)
         alone = len(self._live) <= 1
         token_ids = await self.offload.encode(preprocessor, plan.prompts, inline=alone)
@@ -420,7 +420,7 @@ def _prompt_size(req: OpenAIRequest) -> int:
     return size
 
 
-def _preprocess(
+def _prepare_whole(
     preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
 ) -> tuple[list[Prepared], ResponseExtras | None]:
     """Template, tokenize and shape ``req`` (pure CPU work: may run on the offload pool)."""
