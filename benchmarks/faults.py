@@ -12,8 +12,11 @@ on a loaded machine that takes longer than 5 s). Reported:
   request carries an ``x-request-id``; the frontend logs each migration with it); the gap across
   the migration minus when the next token was due anyway: the stream's own median inter-token
   interval after the last token, or the kill itself when the killed worker was already later
-  than that (p50, p99; the plain gap minus the median ITL is reported too), and the time to
-  first token of requests migrated before their first token (``new_request``);
+  than that, or, when the killed worker was running a prefill pass (its ``prefill pass:``
+  debug line), that pass's end: one such pass after the last token (p50, p99; without that
+  last rule, as measured until 2026-11-26, and the plain gap minus the median ITL are reported
+  too), and the time to first token of requests migrated before their first token
+  (``new_request``);
 * where that gap goes, per migration, from the processes' JSONL logs (wall clock, one machine):
   ``stall`` the last token before the kill to the kill (the killed worker's pass in progress,
   lost; beyond one ITL it is not counted as added), ``detect`` the kill to the frontend's
@@ -22,13 +25,17 @@ on a loaded machine that takes longer than 5 s). Reported:
   in the new worker's engine (re-route, request plane), ``queued`` arrival to the start of the
   pass that produced its next token, ``pass`` that pass's modelled time (prefill of the
   continuation, batched with the others' work), ``late`` how late the worker's loop delivered
-  it (CPU starvation), ``return`` the new worker to the client. ``engine_share`` (stall +
-  queued + pass - ITL: the modelled engine) and ``overhead_share`` (the rest) sum to the gap
-  minus the ITL.
+  it (CPU starvation), ``return`` the new worker to the client (its baseline: the same path
+  for the first token of a request that was not migrated). ``engine_share`` (stall + queued +
+  pass - ITL: the modelled engine) and ``overhead_share`` (the rest) sum to the gap minus the
+  ITL;
+* the timing model's floor for this workload (a Monte Carlo of the engine alone), and that
+  floor plus this run's detection times: the added gap if the frontend, request plane and
+  return path cost nothing.
 
 Goal: 100 % complete, 0 short, a migration adds < 50 ms to the affected stream's gap at p99.
 
-    .venv/bin/python benchmarks/faults.py [--requests 2000] [--concurrency 32] [--osl 256]
+    .venv/bin/python -m benchmarks.faults [--requests 2000] [--concurrency 32] [--osl 256]
         [--workers 4] [--kill-every 5] [--router-mode round-robin|kv|...]
         [--out bench-results/faults.json] [--logs DIR]
 """
@@ -42,6 +49,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -108,6 +116,13 @@ class Stream:
         gaps = [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
         return statistics.median(gaps) if gaps else 0.0
 
+    def gap_closed_after(self, t: float) -> tuple[float, float] | None:
+        """(previous chunk, first chunk read at or after ``t``)."""
+        for a, b in zip(self.chunks, self.chunks[1:], strict=False):
+            if b >= t:
+                return a, b
+        return None
+
     def gap_across(self, t: float) -> tuple[float, float] | None:
         """(previous chunk, next chunk) around ``t``, if the stream was streaming then."""
         for a, b in zip(self.chunks, self.chunks[1:], strict=False):
@@ -140,9 +155,12 @@ def log_records(lines: list[str]) -> list[dict[str, object]]:
     return out
 
 
-def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list[Migration], int]:
-    """The frontend's migrations, each with the first-token line of its continuation, and the
-    median prompt length of the requests (their first attempts)."""
+def find_migrations(
+    frontend: list[str], workers: list[list[str]]
+) -> tuple[list[Migration], int, dict[str, float]]:
+    """The frontend's migrations, each with the first-token line of its continuation, the
+    median prompt length of the requests (their first attempts), and when each request's first
+    attempt made its first token (its worker's line; the baseline of the ``return`` part)."""
     found: list[Migration] = []
     for rec in log_records(frontend):
         msg = str(rec["message"])
@@ -159,16 +177,30 @@ def find_migrations(frontend: list[str], workers: list[list[str]]) -> tuple[list
                 fields = {k: float(v) for k, v in (kv.split("=") for kv in msg.split()[4:])}
                 firsts[rid].append((float(str(rec["t"])), fields))
     for m in found:
-        after = sorted(f for f in firsts.get(m.request_id, []) if f[0] > m.at)
+        after = sorted((f for f in firsts.get(m.request_id, []) if f[0] > m.at), key=lambda f: f[0])
         if after:
             m.first_token = {"t": after[0][0], **after[0][1]}
     isls = [min(f["prompt_tokens"] for _, f in v) for v in firsts.values()]
-    return found, round(statistics.median(isls)) if isls else 0
+    first_made = {rid: min(t for t, _ in v) for rid, v in firsts.items()}
+    return found, round(statistics.median(isls)) if isls else 0, first_made
+
+
+def prefill_pass_at(victim: Child, t: float) -> float:
+    """Seconds of the prefill pass the killed worker was running at ``t`` (0: none); its
+    ``prefill pass:`` debug lines say when each such pass started and would have ended."""
+    passes = [rec for rec in log_records(victim.lines) if rec["t"] <= t]  # type: ignore[operator]
+    for rec in reversed(passes):
+        msg = str(rec["message"])
+        if msg.startswith("prefill pass: "):
+            fields = {k: float(v) for k, v in (kv.split("=") for kv in msg.split()[2:])}
+            ends = float(str(rec["t"])) + fields["ends_in_ms"] / 1000
+            return fields["pass_ms"] / 1000 if ends > t else 0.0
+    return 0.0
 
 
 def model_floor(
     isl: int, osl: int, workers: int, concurrency: int, trials: int = 20000
-) -> dict[str, tuple[float, float]]:
+) -> dict[str, list[float]]:
     """(p50, p99) ms of the added gap the timing model alone gives (FACTS §6.4, the mocker's
     default pool; no CPU, no transport): a Monte Carlo of one kill. Each worker decodes
     ``concurrency / workers`` streams (D per pass) and prefills the closed loop's new arrivals
@@ -176,7 +208,8 @@ def model_floor(
     spread evenly over the survivors (``spread``), or over the survivors not in a new request's
     prefill pass when there is one (``avoid_prefill``: the frontend's continuation placement);
     a survivor batches the ones it gets into one prefill pass after its pass in progress; the
-    pass the killed worker was running is lost (stall)."""
+    pass the killed worker was running is lost (stall), and its streams' next token was due at
+    its end (as the measured figure counts it)."""
     rng = random.Random(0)
     k = max(1, concurrency // workers)
     total = MockerConfig().total_kv_tokens
@@ -184,12 +217,14 @@ def model_floor(
     pf = prefill_ms(isl) + d
     in_prefill = min(1.0, k / (osl * d / 1000) * pf / 1000)  # share of time in such passes
     survivors = max(1, workers - 1)
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, list[float]] = {}
     for placement in ("spread", "avoid_prefill"):
         added: list[float] = []
         for _ in range(trials // k + 1):
             lengths = [isl + rng.randrange(osl) for _ in range(k)]
-            stall = rng.uniform(0, pf) if rng.random() < in_prefill else rng.uniform(0, d)
+            in_pass = rng.random() < in_prefill  # the killed worker was in a prefill pass
+            stall = rng.uniform(0, pf) if in_pass else rng.uniform(0, d)
+            due = pf if in_pass else d  # its streams' next token, after the last (>= stall)
             busy = [rng.random() < in_prefill for _ in range(survivors)]
             targets = [i for i in range(survivors) if not busy[i]]
             if placement == "spread" or not targets:
@@ -198,10 +233,20 @@ def model_floor(
                 group = lengths[j :: len(targets)]
                 if group:
                     left = rng.uniform(0, pf) if busy[target] else rng.uniform(0, d)
-                    t = left + prefill_ms(sum(group)) + d - max(d - stall, 0.0)
+                    t = stall + left + prefill_ms(sum(group)) + d - due
                     added += [t] * len(group)
-        out[placement] = (round(pct(added, 0.5), 1), round(pct(added, 0.99), 1))
+        out[placement] = added
     return out
+
+
+def with_detection(floor: list[float], detect_ms: list[float]) -> list[float]:
+    """The model floor's migrations, each delayed by a detection time drawn from this run's
+    (kill to the frontend's decision): the added gap with nothing else in the way (no frontend,
+    request plane or return path; a CPU to spare)."""
+    if not detect_ms:
+        return []
+    rng = random.Random(1)
+    return [f + rng.choice(detect_ms) for f in floor]
 
 
 def migrations(port: int) -> dict[str, float]:
@@ -214,6 +259,10 @@ def migrations(port: int) -> dict[str, float]:
                 if f'migration_type="{kind}"' in line:
                     out[kind] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def p50_p99(values: list[float]) -> tuple[float, float]:
+    return round(pct(values, 0.5), 1), round(pct(values, 0.99), 1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -295,6 +344,7 @@ def main() -> int:
 
     workers = [spawn() for _ in range(args.workers)]
     kills: list[float] = []  # time.time() of each SIGKILL
+    victims: dict[float, Child] = {}  # each SIGKILL's worker
     reaped: list[float] = []  # seconds from each SIGKILL to the victim's exit status
     skipped: list[float] = []  # kill instants skipped: a replacement was still starting
     streams: list[Stream] = []
@@ -325,6 +375,7 @@ def main() -> int:
                 workers.remove(victim)
                 workers.append(spawn())  # it joins when it has started (a few seconds)
                 kills.append(t)
+                victims[t] = victim
 
         thread = threading.Thread(target=killer, daemon=True)
         started = time.perf_counter()
@@ -339,6 +390,7 @@ def main() -> int:
         for child in children:
             if child.proc.poll() is None:
                 child.stop()
+        shutil.rmtree(discovery, ignore_errors=True)
 
     if args.logs:
         for child in children:
@@ -354,8 +406,17 @@ def main() -> int:
     ttft_p50 = statistics.median(ttft_all) if ttft_all else 0.0
     by_id = {s.request_id: s for s in streams}
     kill_times = sorted(kills)
-    found, isl = find_migrations(frontend.lines, [c.lines for c in children[1:]])
-    added: list[float] = []  # gap - max(median ITL, stall before the kill)
+    found, isl, first_made = find_migrations(frontend.lines, [c.lines for c in children[1:]])
+    # The same path for a token that needs no migration: a new request's first token, from its
+    # worker's line to the client (the ``return`` part's baseline).
+    migrated_ids = {m.request_id for m in found}
+    plain_return = [
+        s.chunks[0] - first_made[s.request_id]
+        for s in streams
+        if s.chunks and s.request_id in first_made and s.request_id not in migrated_ids
+    ]
+    added: list[float] = []  # gap - when the next token was due anyway (see below)
+    added_kill_due: list[float] = []  # gap - max(median ITL, stall): the earlier definition
     naive: list[float] = []  # gap - median ITL
     gaps: list[float] = []
     new_ttft: list[float] = []
@@ -369,7 +430,11 @@ def main() -> int:
             if s.ttft is not None:
                 new_ttft.append(s.ttft)
             continue
-        around = s.gap_across(m.at)
+        ft = m.first_token
+        # The gap the continuation's first token closes: the first chunk the client read after
+        # its worker made it. (Across the decision instant instead, a client lagging behind
+        # the frontend, on a loaded machine, still reads the dead worker's last tokens then.)
+        around = s.gap_closed_after(ft["t"]) if ft is not None else s.gap_across(m.at)
         if around is None:
             continue
         gap = around[1] - around[0]
@@ -378,10 +443,13 @@ def main() -> int:
         killed = max((k for k in kill_times if k <= m.at), default=None)
         # Uninterrupted, the next token would have come one ITL after the last one, and not
         # before the kill: when the killed worker was already late (a long pass in progress),
-        # that delay is not the migration's.
+        # that delay is not the migration's; nor, when that pass was a prefill pass (a new
+        # request's prefill and every stream's next decode), the rest of it: the next token
+        # was due at its end, a pass after the last token.
         stall = 0.0 if killed is None else killed - around[0]
-        added.append(gap - max(s.median_itl(), stall))
-        ft = m.first_token
+        lost = 0.0 if killed is None else prefill_pass_at(victims[killed], killed)
+        added.append(gap - max(s.median_itl(), stall, lost))
+        added_kill_due.append(gap - max(s.median_itl(), stall))
         if killed is None or ft is None:
             continue
         arrival = ft["t"] - (ft["late_ms"] + ft["pass_ms"] + ft["queued_ms"]) / 1000
@@ -405,10 +473,12 @@ def main() -> int:
         detail: dict[str, object] = {k: round(v * 1000, 1) for k, v in split.items()}
         detail["pass_prefill_tokens"] = ft["pass_prefill_tokens"]
         detail["added"] = round(added[-1] * 1000, 1)
+        detail["lost_prefill_pass"] = round(lost * 1000, 1)
         detail["request"] = m.request_id
         worst.append((added[-1], detail))
     worst.sort(key=lambda x: -x[0])
     added_p99 = round(pct(added, 0.99) * 1000, 1)
+    floor = model_floor(isl, args.osl, args.workers, args.concurrency)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, Python {platform.python_version()}",
@@ -430,6 +500,9 @@ def main() -> int:
         "gap_ms_p99": round(pct(gaps, 0.99) * 1000, 1),
         "added_gap_ms_p50": round(pct(added, 0.5) * 1000, 1),
         "added_gap_ms_p99": added_p99,
+        "added_gap_kill_due_ms_p50_p99": [
+            round(pct(added_kill_due, q) * 1000, 1) for q in (0.5, 0.99)
+        ],
         "added_gap_vs_itl_only_ms_p50": round(pct(naive, 0.5) * 1000, 1),
         "added_gap_vs_itl_only_ms_p99": round(pct(naive, 0.99) * 1000, 1),
         "ttft_ms_p50_all": round(ttft_p50 * 1000, 1),
@@ -437,10 +510,16 @@ def main() -> int:
         "ttft_ms_migrated_p99": round(pct(new_ttft, 0.99) * 1000, 1),
         "breakdown_ms_p50": {k: round(pct(v, 0.5) * 1000, 1) for k, v in parts.items()},
         "breakdown_ms_p99": {k: round(pct(v, 0.99) * 1000, 1) for k, v in parts.items()},
+        "return_ms_p50_p99_unmigrated_first_token": [
+            round(pct(plain_return, q) * 1000, 1) for q in (0.5, 0.99)
+        ],
         "breakdown_ms_mean": {
             k: round(statistics.fmean(v) * 1000, 1) if v else None for k, v in parts.items()
         },
-        "model_floor_ms_p50_p99": model_floor(isl, args.osl, args.workers, args.concurrency),
+        "model_floor_ms_p50_p99": {k: p50_p99(v) for k, v in floor.items()},
+        "model_floor_plus_detect_ms_p50_p99": p50_p99(
+            with_detection(floor["avoid_prefill"], [d * 1000 for d in parts["detect"]])
+        ),
         "engine_share_ms_p50_p99": [round(pct(engine, q) * 1000, 1) for q in (0.5, 0.99)],
         "overhead_share_ms_p50_p99": [round(pct(overhead, q) * 1000, 1) for q in (0.5, 0.99)],
         "worst_5": [d for _, d in worst[:5]],

@@ -7,6 +7,12 @@ read the process's CPU time (:func:`cpu_seconds`, all its threads, from ``/proc`
 :func:`wait_model` waits until a frontend lists a model; :func:`free_port` picks a loopback port
 for a service that cannot be told to bind port 0 and report it.
 
+Only loopback addresses: the reference's services get theirs from its own settings
+(:data:`REFERENCE_LOOPBACK`, its frontend's ``--http-host``), but some of its sockets have no
+such setting (its ZMQ event publishers bind ``tcp://0.0.0.0``, its slot tracker ``0.0.0.0``), so
+a benchmark that starts the reference first moves itself into a network namespace of its own
+(:func:`isolate_network`), where the only interface is its loopback.
+
     from launcher import Child, free_port, service_env, wait_model
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +39,37 @@ are etcd and NATS)."""
 LISTENING = "dynamo frontend: listening on http://"
 """The line our frontend prints once it accepts connections (it ends with the port)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+REFERENCE_LOOPBACK = {
+    "DYN_SYSTEM_HOST": "127.0.0.1",  # its system status server (default 0.0.0.0)
+    "DYN_TCP_RPC_HOST": "127.0.0.1",  # its TCP request plane (default: the host's address)
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",  # its response streams
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",  # the address its ZMQ publishers advertise
+}
+"""The reference's own settings for the addresses its services bind or advertise."""
+ISOLATED = "DYN_BENCH_NETNS"
+"""Set (to 1) in a benchmark that :func:`isolate_network` moved into its own namespace."""
+
+
+def isolate_network() -> bool:
+    """Run this benchmark (re-executed: the same interpreter and arguments) in a new network
+    namespace whose only interface is a loopback, so that no socket it or its children open
+    is reachable from outside, whatever address they bind; True when already there. Needs the
+    right to create one (root, as here); without it, says so and returns False (the run goes on
+    in the host's namespace)."""
+    if os.environ.get(ISOLATED) == "1":
+        return True
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    probe = [unshare or "unshare", "--net", "--", ip or "ip", "link", "set", "lo", "up"]
+    if unshare is None or ip is None or subprocess.run(probe, capture_output=True).returncode:
+        print(
+            "# warning: no private network namespace (needs unshare, ip and the right to use "
+            "them): the reference's ZMQ publishers and slot tracker listen on 0.0.0.0",
+            file=sys.stderr,
+        )
+        return False
+    script = 'ip link set lo up && exec "$@"'
+    command = [unshare, "--net", "--", "sh", "-c", script, "sh", sys.executable]
+    os.execve(unshare, command + sys.orig_argv[1:], dict(os.environ, **{ISOLATED: "1"}))
 
 
 def free_port() -> int:
@@ -145,3 +183,43 @@ def wait_model(url: str, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"no model appeared in {url}/v1/models within {timeout:g} s")
+
+
+_RECEIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.otlp_receiver import OtlpReceiver
+r = OtlpReceiver()
+print(r.endpoint, flush=True)
+sys.stdin.read()
+print(len(r.spans), flush=True)
+r.close()
+"""
+
+
+class OtlpReceiverProcess:
+    """The tests' OTLP/HTTP receiver (``tests/otlp_receiver.py``) in a process of its own, so
+    that its CPU is not the measured process's: ``endpoint`` once it listens, :meth:`spans`
+    (how many it received; it stops then); ``with`` kills it on the way out."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER, str(REPO)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.endpoint = self.proc.stdout.readline().strip()
+
+    def spans(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        return int(self.proc.stdout.readline().strip() or 0)
+
+    def __enter__(self) -> OtlpReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -36,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
 
-from launcher import cpu_seconds, free_port  # noqa: E402
+from launcher import cpu_seconds, free_port, isolate_network  # noqa: E402
 
 MODEL = "bench"
 GROUPS = 8  # prefix groups; each request shares a 16-block prefix with its group
@@ -94,8 +94,8 @@ class Service:
         self.label = label
         self.port = free_port()
         cmd = [python, "-m", "dynamo.slot_tracker", "--port", str(self.port)]
-        if label == "dynamo-py":  # the reference (1.6.1) has no --host: it binds 0.0.0.0
-            cmd += ["--host", "127.0.0.1"]
+        if label == "dynamo-py":  # the reference (1.6.1) has no --host: it binds 0.0.0.0, in
+            cmd += ["--host", "127.0.0.1"]  # the benchmark's own network namespace
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
@@ -275,6 +275,7 @@ def main() -> int:
     }
     targets = [("dynamo-py", sys.executable)]
     if args.reference_python:
+        isolate_network()
         targets.append(("reference", args.reference_python))
     services: list[Service] = []
     with tempfile.TemporaryDirectory() as tmp:

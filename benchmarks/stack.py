@@ -6,6 +6,8 @@ Per level: req/s, TTFT p50/p99, and the CPU milliseconds per request of the fron
 the mocker (``/proc``, all threads), plus the bench client's own CPU per request (it shares the
 machine, so it must stay small: its HTTP/SSE client is a lean asyncio protocol; httpx measured
 ~5.6 ms of client CPU per 64-chunk stream on the 2-core VM, the lean client ~0.4-0.6 ms).
+Column ``(loop)``: the part of the frontend's CPU spent on its main thread, ours the event loop
+that caps one frontend process at one core (the reference's HTTP runs on Rust threads: ~0).
 
     .venv/bin/python benchmarks/stack.py                      # full run
     .venv/bin/python benchmarks/stack.py --quick              # fewer requests
@@ -40,9 +42,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +54,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import (  # noqa: E402
     MODEL,
     PLANES,
-    REPO,
+    REFERENCE_LOOPBACK,
     Child,
+    OtlpReceiverProcess,
     free_port,
+    isolate_network,
     service_env,
     wait_model,
 )
 
 from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
 from dynamo.bench.__main__ import run_loop  # noqa: E402
+from dynamo.bench.cpu import process_cpu_seconds  # noqa: E402
 
 GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
@@ -92,10 +97,17 @@ def run_level(
         plots=False,
         output_dir=str(Path(args.out).parent / "stack" / f"c{c}") if args.reports else None,
     )
+    frontend = pids["frontend"]
+    main_before, all_before = _main_thread_cpu(frontend), process_cpu_seconds(frontend)
     summary = run_loop(run_benchmark(config)).summary
+    main_used = _main_thread_cpu(frontend) - main_before
+    all_used = (process_cpu_seconds(frontend) or 0.0) - (all_before or 0.0)
     done = summary["requests"]["completed"]
     per_pid = summary["server_cpu"]["per_pid_s"]
     cpu = {name: per_pid[str(pid)] * 1000 / max(done, 1) for name, pid in pids.items()}
+    # The event loop's thread caps one frontend process at one core: its share of the frontend's
+    # CPU (warm-up included, as a ratio) times the measured CPU per request.
+    loop_share = main_used / all_used if all_used > 0 else 0.0
     return {
         "concurrency": c,
         "requests": summary["requests"],
@@ -105,11 +117,22 @@ def run_level(
         "ttft_p99_ms": summary["ttft_ms"]["p99"],
         "e2e_p50_ms": summary["e2e_latency_ms"]["p50"],
         "frontend_cpu_ms_per_req": cpu["frontend"],
+        "frontend_loop_cpu_ms_per_req": cpu["frontend"] * loop_share,
         "mocker_cpu_ms_per_req": cpu["mocker"],
         "stack_cpu_ms_per_req": cpu["frontend"] + cpu["mocker"],
         "client_cpu_ms_per_req": summary["client_cpu"]["cpu_ms_per_request"],
         "errors": summary["errors"],
     }
+
+
+def _main_thread_cpu(pid: int) -> float:
+    """CPU seconds of ``pid``'s main thread (the frontend's event loop) alone."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Stack:
@@ -121,10 +144,11 @@ class Stack:
     ) -> None:
         self.label = label
         self._dir = tempfile.TemporaryDirectory(prefix=f"dynamo-stack-{label}-")
-        env = service_env(self._dir.name, **(extra_env or {}))
+        ours = python == sys.executable
+        loopback = {} if ours else REFERENCE_LOOPBACK
+        env = service_env(self._dir.name, **loopback, **(extra_env or {}))
         mocker_args = ["-m", "dynamo.mocker", "--model-path", str(MODEL), "--model-name", "demo"]
         mocker_args += ["--speedup-ratio", f"{speedup:g}"]
-        ours = python == sys.executable
         port = 0 if ours else free_port()
         frontend_args = ["-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
         frontend_args += ["--http-port", str(port)]
@@ -151,6 +175,32 @@ class Stack:
         self._dir.cleanup()
 
 
+def run_rounds(
+    args: argparse.Namespace,
+    levels: list[int],
+    stacks: list[tuple[str, Callable[[], Stack]]],
+    width: int,
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """``args.rounds`` rounds of every stack (started anew for each, in turn), each driven at
+    every concurrency level: per label, per round, per level, the figures of :func:`run_level`
+    (printed as they come, the label right-aligned to ``width``)."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in stacks}
+    for round_ in range(args.rounds):
+        for label, start in stacks:
+            stack = start()
+            try:
+                results = []
+                for c in levels:
+                    count = REQUESTS.get(c, 1000)
+                    count = max(count // 5, 2 * c) if args.quick else count
+                    results.append(run_level(stack.url, c, count, args, stack.pids))
+                    print(f"{label:>{width}} r{round_ + 1} " + _row(results[-1]), flush=True)
+                runs[label].append(results)
+            finally:
+                stack.stop()
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated levels")
@@ -169,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/stack.json")
     args = parser.parse_args(argv)
+    if args.reference_python:
+        isolate_network()
     if args.tracing:
         return tracing_modes(args)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -178,20 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     targets = [("dynamo-py", sys.executable)]
     if args.reference_python:
         targets.append(("reference", args.reference_python))
-    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in targets}
-    for round_ in range(args.rounds):
-        for label, python in targets:
-            stack = Stack(label, python, speedup)
-            try:
-                results = []
-                for c in levels:
-                    count = REQUESTS.get(c, 1000)
-                    count = max(count // 5, 2 * c) if args.quick else count
-                    results.append(run_level(stack.url, c, count, args, stack.pids))
-                    print(f"{label:>10} r{round_ + 1} " + _row(results[-1]), flush=True)
-                runs[label].append(results)
-            finally:
-                stack.stop()
+    stacks = [
+        (label, lambda label=label, python=python: Stack(label, python, speedup))
+        for label, python in targets
+    ]
+    runs = run_rounds(args, levels, stacks, width=10)
     report: dict[str, Any] = {
         "benchmark": "stack",
         "date": datetime.date.today().isoformat(),
@@ -240,18 +283,6 @@ def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
     raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
 
 
-RECEIVER = """
-import sys
-sys.path.insert(0, sys.argv[1])
-from tests.otlp_receiver import OtlpReceiver
-r = OtlpReceiver()
-print(r.endpoint, flush=True)
-sys.stdin.read()
-print(len(r.spans), flush=True)
-r.close()
-"""
-
-
 def tracing_modes(args: argparse.Namespace) -> int:
     """Our stack once per tracing mode and round (modes alternating), CPU per request compared
     with ``off``: medians over the rounds, and medians of each round's ratio (paired rounds
@@ -260,34 +291,15 @@ def tracing_modes(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.tracing.split(",") if m.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     speedup = args.speedup_ratio or 0.0
-    receiver = subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, str(REPO)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert receiver.stdin is not None and receiver.stdout is not None
-    endpoint = receiver.stdout.readline().strip()
-    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
-    try:
-        for round_ in range(args.rounds):
-            for mode in modes:
-                stack = Stack(mode, sys.executable, speedup, tracing_env(mode, endpoint))
-                try:
-                    results = []
-                    for c in levels:
-                        count = REQUESTS.get(c, 1000)
-                        count = max(count // 5, 2 * c) if args.quick else count
-                        results.append(run_level(stack.url, c, count, args, stack.pids))
-                        print(f"{mode:>7} r{round_ + 1} " + _row(results[-1]), flush=True)
-                    runs[mode].append(results)
-                finally:
-                    stack.stop()
-        receiver.stdin.close()
-        spans = int(receiver.stdout.readline().strip() or 0)
-    finally:
-        receiver.kill()
-        receiver.wait()
+    with OtlpReceiverProcess() as receiver:
+        endpoint = receiver.endpoint
+
+        def traced(mode: str) -> Callable[[], Stack]:
+            return lambda: Stack(mode, sys.executable, speedup, tracing_env(mode, endpoint))
+
+        stacks = [(mode, traced(mode)) for mode in modes]
+        runs = run_rounds(args, levels, stacks, width=7)
+        spans = receiver.spans()
     compared: dict[str, Any] = {}
     for c in levels:
         base = {k: _median_of(runs["off"], c, k) for k in CPU_KEYS} if "off" in runs else {}
@@ -333,7 +345,12 @@ def _paired_ratio(
     return statistics.median(ratios) if ratios else None
 
 
-CPU_KEYS = ("frontend_cpu_ms_per_req", "mocker_cpu_ms_per_req", "stack_cpu_ms_per_req")
+CPU_KEYS = (
+    "frontend_cpu_ms_per_req",
+    "frontend_loop_cpu_ms_per_req",
+    "mocker_cpu_ms_per_req",
+    "stack_cpu_ms_per_req",
+)
 
 
 def _median_of(runs: list[list[dict[str, Any]]], c: int, key: str) -> float | None:
@@ -354,7 +371,8 @@ def side_by_side(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
 
 
 HEADER = (
-    f"{'c':>4} {'req/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'frontend':>9} {'mocker':>8} "
+    f"{'c':>4} {'req/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'frontend':>9} {'(loop)':>7} "
+    f"{'mocker':>8} "
     f"{'stack':>7} {'client':>7} {'errors':>6}"
 )
 
@@ -363,13 +381,15 @@ def _row(r: dict[str, Any]) -> str:
     return (
         f"{r['concurrency']:>4} {r['req_per_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
         f"{r['ttft_p99_ms']:>9.2f} {r['frontend_cpu_ms_per_req']:>9.3f} "
+        f"{r.get('frontend_loop_cpu_ms_per_req', 0.0):>7.3f} "
         f"{r['mocker_cpu_ms_per_req']:>8.3f} {r['stack_cpu_ms_per_req']:>7.3f} "
         f"{r['client_cpu_ms_per_req']:>7.3f} {sum(r['errors'].values()):>6}"
     )
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["(TTFT in ms; CPU in ms per request)", HEADER]
+    lines = ["(TTFT in ms; CPU in ms per request; (loop): the frontend's event-loop thread)"]
+    lines.append(HEADER)
     lines += [_row(r) for r in results]
     lines.append(
         f"goals: stack CPU <= {GOAL_CPU_MS} ms/request; TTFT p50 <= {GOAL_TTFT_P50_MS} ms at c=1"

@@ -24,19 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-OSL = 64
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under `python -m benchmarks...`
 
-RECEIVER = """
-import sys, time
-sys.path.insert(0, sys.argv[1])
-from tests.otlp_receiver import OtlpReceiver
-r = OtlpReceiver()
-print(r.endpoint, flush=True)
-sys.stdin.read()
-print(len(r.spans), flush=True)
-r.close()
-"""
+from launcher import REPO, OtlpReceiverProcess  # noqa: E402
+
+OSL = 64
 
 
 def run_mode(mode: str, requests: int, endpoint: str) -> dict[str, float]:
@@ -158,27 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.requests)
         return 0
-    receiver = subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, str(REPO)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert receiver.stdout is not None and receiver.stdin is not None
-        endpoint = receiver.stdout.readline().strip()
+    with OtlpReceiverProcess() as receiver:
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             try:
-                result = run_mode(mode, args.requests, endpoint)
+                result = run_mode(mode, args.requests, receiver.endpoint)
             except subprocess.CalledProcessError as exc:
                 print(f"{mode:>7}: failed ({exc.stderr.strip().splitlines()[-1:]})")
                 continue
             print(f"{mode:>7}: {result['us_per_request']:.1f} us of CPU per request (5 spans)")
-        receiver.stdin.close()
-        print(f"spans received by the OTLP receiver: {receiver.stdout.readline().strip()}")
-    finally:
-        receiver.kill()
-        receiver.wait()
+        print(f"spans received by the OTLP receiver: {receiver.spans()}")
     return 0
 
 

@@ -5,8 +5,11 @@ they cannot be built:
 
 * with a pure-Python fallback of the same contract (``*_fallback``, chosen by :func:`load`):
   ``router._blocks`` (load accounting), ``router._hash`` (block hashes), ``router._cost`` (the
-  KV router's cost per candidate), ``runtime._sender`` (write-behind), ``engine_core._pass`` and
-  ``engine_core._kv`` (the scheduler pass and the KV manager's block loops);
+  KV router's cost per candidate), ``router._radix`` (the KV prefix tree: a native table of
+  blocks; the fallback keeps path-compressed runs), ``runtime._sender`` (write-behind),
+  ``engine_core._pass`` and ``engine_core._kv`` (the scheduler pass's loops and the KV
+  manager: a native table; the fallback keeps Python containers), ``bench._draw`` (the
+  workloads' random words: ``random.choices``' draws);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
   ``slot_tracker._loads`` (``/potential_loads``) and ``pytorch._paged_attn`` (decode attention).
@@ -29,13 +32,26 @@ WANTED: Final[bool] = os.environ.get(ENV, "1").strip().lower() not in {"0", "fal
 """False when ``DYN_NATIVE`` is 0/false/no/off: every native helper uses its fallback."""
 
 
-def load(native: str, fallback: str) -> ModuleType:
-    """The module ``native`` if wanted and built, else ``fallback`` (both full module names)."""
+def load(native: str, fallback: str, *, requires: tuple[str, ...] = ()) -> ModuleType:
+    """The module ``native`` if wanted and built, else ``fallback`` (both full module names).
+
+    ``requires``: names the contract has; a native build without one of them is stale (built
+    from an older source: rebuild it) and the fallback is used, with a warning."""
     if WANTED:
         try:
-            return importlib.import_module(native)
+            module = importlib.import_module(native)
         except ImportError as exc:  # not built here: the fallback is the same contract
             log.warning("%s is not available (%s): using %s", native, exc, fallback)
+        else:
+            missing = [name for name in requires if not hasattr(module, name)]
+            if not missing:
+                return module
+            log.warning(
+                "%s is a stale build (no %s; rebuild it): using %s",
+                native,
+                ", ".join(missing),
+                fallback,
+            )
     return importlib.import_module(fallback)
 
 

@@ -7,10 +7,26 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dynamo.backend.engine import EngineConfig, LLMEngine, chunk, with_usage
+from dynamo.protocol.model_card import ModelCard
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import InvalidArgument
+
+
+def make_card(instance_id: int, **fields: Any) -> ModelCard:
+    """A worker's model card: model ``demo`` at ``dynamo.backend.generate``, 4096 tokens of
+    context, blocks of 16; ``fields`` override any of them (or set the others)."""
+    card: dict[str, Any] = {
+        "served_model_name": "demo",
+        "model_path": "",
+        "namespace": "dynamo",
+        "component": "backend",
+        "endpoint": "generate",
+        "context_length": 4096,
+        "kv_block_size": 16,
+    }
+    return ModelCard(instance_id=instance_id, **(card | fields))
 
 
 def make_request(
@@ -140,3 +156,21 @@ class FakeExchange:
         import json
 
         return json.loads(self.response)
+
+
+class FakeTransport:
+    """An asyncio transport that keeps what the protocol writes (``out``) and whether it
+    closed: drives an HTTP protocol without a socket."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def can_write_eof(self) -> bool:
+        return False

@@ -54,6 +54,8 @@ class EngineConfig:
     # What the engine honours beyond the basic fields (the model card's ``capabilities``); the
     # frontend answers 400 for a request that needs anything not advertised here.
     capabilities: EngineCapabilities = EngineCapabilities()
+    # False: this engine publishes no KV events (explicitly disabled; the card's ``kv_events``).
+    kv_events: bool = True
 
     @property
     def name(self) -> str:

@@ -313,6 +313,7 @@ class Worker:
             bootstrap_port=ec.bootstrap_port,
             capabilities=ec.capabilities,
             migration_limit=self.config.migration_limit,
+            kv_events=ec.kv_events,
         )
 
     async def _teardown(self) -> None:

@@ -21,6 +21,7 @@ import random
 import re
 from collections.abc import Sequence
 
+from dynamo.bench.draw import choices
 from dynamo.preprocess import ModelDir
 
 _WORD = re.compile(r" [a-z]{2,}")
@@ -119,25 +120,26 @@ class PromptBuilder:
                 f"an input length of {total} tokens is below this prompt form's minimum of "
                 f"{max(1, self.overhead)} (chat template / special tokens)"
             )
-        content = list(words)
+        content = list(words)  # the caller's words are never modified
         if self.mode == "ids":
-            content = content[:total] + rng.choices(self.words, k=max(0, total - len(content)))
+            del content[total:]
+            content += choices(rng, self.words, max(0, total - len(content)))
             return content, None, content
         want = total - self.overhead
         if len(content) > want:
             content = content[:want]
         elif len(content) < want:
-            content += rng.choices(self.words, k=want - len(content))
+            content += choices(rng, self.words, want - len(content))
         for attempt in range(24):
             count = self._count_content(content)
             if count == total:
                 return content, self._messages(content), self._prompt(content)
             if count < total:
-                content += rng.choices(self.words, k=total - count)
+                content += choices(rng, self.words, total - count)
             elif attempt < 12:
                 del content[max(0, len(content) - (count - total)) :]
             else:  # removal oscillates around a merge: swap the last word instead
-                content[-1:] = rng.choices(self.words, k=1)
+                content[-1:] = choices(rng, self.words, 1)
         raise ValueError(f"could not build a prompt of exactly {total} tokens")
 
     def _messages(self, content: list[int]) -> list[dict[str, str]] | None:

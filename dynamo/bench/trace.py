@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 
+from dynamo.bench.draw import choices
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.workload import Session, SingleRequest, spec_from_fit
 
@@ -123,7 +124,7 @@ class TraceWorkload:
         words = self._blocks.get(hash_id)
         if words is None:
             rng = random.Random(hash_id * 1_000_003 + self._seed)
-            words = rng.choices(self._builder.words, k=self._block_size)
+            words = choices(rng, self._builder.words, self._block_size)
             self._blocks[hash_id] = words
             if len(self._blocks) > _BLOCK_CACHE:
                 self._blocks.popitem(last=False)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from dynamo.bench.draw import choices
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.request import RequestRecord, RequestSpec
 
@@ -155,7 +156,7 @@ class PrefixWorkload:
         self._osl = osl
         self._seed = seed
         rng = random.Random(seed ^ 0x5EED)
-        self.prefixes = [rng.choices(builder.words, k=prefix_len - head) for _ in range(groups)]
+        self.prefixes = [choices(rng, builder.words, prefix_len - head) for _ in range(groups)]
 
     def sessions(self) -> Iterator[Session]:
         rng = random.Random(self._seed)
@@ -165,7 +166,7 @@ class PrefixWorkload:
             group = pick.randrange(len(self.prefixes))
             spec = spec_from_fit(
                 self._builder,
-                list(self.prefixes[group]),
+                self.prefixes[group],  # fit copies it
                 self._total,
                 self._osl,
                 rng,
@@ -201,7 +202,7 @@ class _Conversation:
             expected = owner.isl
         else:
             answer = previous.text or ""
-            words = rng.choices(builder.words, k=owner.isl)
+            words = choices(rng, builder.words, owner.isl)
             if builder.mode == "chat":
                 self._messages += [
                     {"role": "assistant", "content": answer},

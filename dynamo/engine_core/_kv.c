@@ -1,278 +1,1045 @@
 /*
- * dynamo.engine_core._kv: the per-block loops of KVManager's accounting (FACTS §6.3), over the
- * manager's own containers.
+ * dynamo.engine_core._kv: the KV block manager of one DP rank (FACTS §6.3) as a native table:
+ * refcounted active blocks, the LRU inactive pool, prefix lookup by sequence hash, the physical
+ * slot each block occupies, and the KV events (Stored / Removed) those changes produce.
  *
- * Why native: every admission probes its prompt's blocks twice (cached prefix, slots needed)
- * and references its cached ones, every finished or preempted request releases each of its
- * blocks, and every allocation may evict inactive blocks one by one. In Python those loops were ~11 % of the offline replay's
- * CPU (docs/performance.md, "Offline replay"), and the live mocker and the PyTorch engine run
- * the same KV manager. The containers stay Python objects owned by KVManager (a dict of
- * refcounts, an OrderedDict as the LRU inactive pool, ...): these functions only walk them, so
- * the manager keeps one state whichever implementation runs. The inactive pool is written
- * through the mapping protocol (PyObject_SetItem / DelItem, its popitem method), never the dict
- * API, which would bypass OrderedDict's order.
+ * Why native: every admission probes its prompt's blocks (cached prefix, slots needed) and
+ * references them, every filled block is promoted, every finished or preempted request releases
+ * each of its blocks, and allocations evict inactive blocks. With the state in Python containers
+ * (a dict of refcounts, an OrderedDict as the LRU, dicts of slots and local hashes, a set of
+ * private blocks, a free list) those were ~15 % of the offline replay's CPU even with the loops
+ * in C (docs/performance.md, "Offline replay"); the live mocker and the PyTorch engine run the
+ * same manager.
  *
- * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native`` picks
- * one) and tests/unit/engine_core/test_kv_kernels.py holds the two to the same outputs.
+ * Layout: everything is indexed by slot. A slot is free (on the free stack, popped from the
+ * end), private (a sequence's unique block: its id is its slot) or holds a cached full block
+ * (entry: sequence hash, local hash, refcount; refcount 0 = inactive, linked into the LRU
+ * list). One open-addressing table maps a sequence hash to its slot. Hashes are 64-bit ints in
+ * [-2**63, 2**64) and come back as given.
+ *
+ * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native``
+ * picks one) and tests/unit/engine_core/test_kv_native.py holds the two to the same events and
+ * state on random operation sequences.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
 
-static PyObject *s_popitem;
+typedef struct {
+    uint64_t hash, local;
+    int32_t prev, next; /* LRU links (slots), -1: none */
+    int32_t refcount;   /* > 0 active, 0 inactive */
+    uint8_t neg, lneg;  /* given as negative ints */
+    uint8_t silent;     /* cached, never announced (received from a prefill worker) */
+    uint8_t kind;       /* FREE, UNIQUE or FULL */
+} Entry;
+
+enum { FREE = 0, UNIQUE = 1, FULL = 2 };
+
+typedef struct {
+    uint64_t key;
+    int32_t slot; /* -1: empty */
+} MapEntry;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t num_blocks;
+    PyObject *dp_rank;
+    char enable_prefix_caching;
+    Entry *e;
+    int32_t *free_slots;
+    Py_ssize_t nfree;
+    MapEntry *map;
+    size_t mask;
+    int32_t lru_head, lru_tail;
+    Py_ssize_t n_full_active, n_inactive, n_unique;
+    PyObject *events;
+    long long next_event_id;
+} KV;
+
+static PyObject *cls_stored, *cls_removed, *cls_block, *cls_event;
+static PyObject *kw_stored, *kw_removed, *kw_event;
 
 static int
-check_dict(PyObject *obj, const char *name)
+load_event_classes(void)
 {
-    if (!PyDict_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a dict", name);
+    if (cls_event != NULL)
+        return 0;
+    PyObject *m = PyImport_ImportModule("dynamo.protocol.kv_events");
+    if (m == NULL)
+        return -1;
+    cls_stored = PyObject_GetAttrString(m, "BlocksStored");
+    cls_removed = PyObject_GetAttrString(m, "BlocksRemoved");
+    cls_block = PyObject_GetAttrString(m, "StoredBlock");
+    PyObject *event = PyObject_GetAttrString(m, "KVCacheEvent");
+    Py_DECREF(m);
+    kw_stored = Py_BuildValue("(ss)", "parent_hash", "blocks");
+    kw_removed = Py_BuildValue("(s)", "block_hashes");
+    kw_event = Py_BuildValue("(sss)", "event_id", "data", "dp_rank");
+    if (!cls_stored || !cls_removed || !cls_block || !event || !kw_stored || !kw_removed ||
+        !kw_event) {
+        Py_XDECREF(event);
         return -1;
     }
+    cls_event = event; /* last: marks the set loaded */
     return 0;
 }
 
-/* cached_prefix(active, inactive, hashes): leading hashes present in either. */
-static PyObject *
-cached_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* ---- keys and the hash -> slot table -------------------------------------------------- */
+
+static inline uint64_t
+mix64(uint64_t x)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "cached_prefix(active, inactive, hashes)");
-        return NULL;
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* 1: converted; 0: not a 64-bit int (no error set); -1: error */
+static int
+to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
+{
+    if (!PyLong_Check(obj))
+        return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        *key = (uint64_t)v;
+        *neg = v < 0;
+        return 1;
     }
-    PyObject *active = args[0], *inactive = args[1];
-    if (check_dict(active, "active") < 0 || check_dict(inactive, "inactive") < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[2], "hashes must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    for (; i < n; i++) {
-        int in = PyDict_Contains(active, items[i]);
-        if (in == 0)
-            in = PyDict_Contains(inactive, items[i]);
-        if (in < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (!in)
+    if (overflow < 0)
+        return 0;
+    unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *key = (uint64_t)u;
+    *neg = 0;
+    return 1;
+}
+
+/* A key the manager must store: TypeError / OverflowError otherwise. */
+static int
+need_key(PyObject *obj, uint64_t *key, uint8_t *neg)
+{
+    int rc = to_key(obj, key, neg);
+    if (rc == 0) {
+        if (PyLong_Check(obj))
+            PyErr_SetString(PyExc_OverflowError, "block hashes must fit 64 bits");
+        else
+            PyErr_Format(PyExc_TypeError, "block hashes must be ints, not %.100s",
+                         Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return rc;
+}
+
+static PyObject *
+key_obj(uint64_t key, uint8_t neg)
+{
+    return neg ? PyLong_FromLongLong((long long)key) : PyLong_FromUnsignedLongLong(key);
+}
+
+static int32_t
+map_get(const KV *kv, uint64_t key)
+{
+    size_t i = (size_t)mix64(key) & kv->mask;
+    for (;;) {
+        const MapEntry *m = &kv->map[i];
+        if (m->slot < 0)
+            return -1;
+        if (m->key == key)
+            return m->slot;
+        i = (i + 1) & kv->mask;
+    }
+}
+
+/* key must be absent; the table never fills (capacity >= 2 * num_blocks) */
+static void
+map_put(KV *kv, uint64_t key, int32_t slot)
+{
+    size_t i = (size_t)mix64(key) & kv->mask;
+    while (kv->map[i].slot >= 0)
+        i = (i + 1) & kv->mask;
+    kv->map[i].key = key;
+    kv->map[i].slot = slot;
+}
+
+static void
+map_del(KV *kv, uint64_t key)
+{
+    size_t mask = kv->mask, i = (size_t)mix64(key) & mask;
+    for (;;) {
+        if (kv->map[i].slot < 0)
+            return;
+        if (kv->map[i].key == key)
             break;
+        i = (i + 1) & mask;
     }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(i);
-}
-
-/* count_missing(active, hashes): hashes not in active. */
-static PyObject *
-count_missing(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "count_missing(active, hashes)");
-        return NULL;
-    }
-    if (check_dict(args[0], "active") < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), missing = 0;
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int in = PyDict_Contains(args[0], items[i]);
-        if (in < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        missing += !in;
-    }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(missing);
-}
-
-/* release_full(active, inactive, hashes): one reference less to each, tail first; a block at
- * refcount 0 leaves active for the inactive pool's most recent end. KeyError if not active. */
-static PyObject *
-release_full(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "release_full(active, inactive, hashes)");
-        return NULL;
-    }
-    PyObject *active = args[0], *inactive = args[1];
-    if (check_dict(active, "active") < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[2], "hashes must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(seq) - 1; i >= 0; i--) {
-        PyObject *h = items[i];
-        PyObject *rc = PyDict_GetItemWithError(active, h); /* borrowed */
-        if (rc == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetObject(PyExc_KeyError, h);
-            goto fail;
-        }
-        long count = PyLong_AsLong(rc);
-        if (count == -1 && PyErr_Occurred())
-            goto fail;
-        if (count != 1) { /* as the fallback: any count but 1 is stored less one */
-            PyObject *less = PyLong_FromLong(count - 1);
-            if (less == NULL)
-                goto fail;
-            int r = PyDict_SetItem(active, h, less);
-            Py_DECREF(less);
-            if (r < 0)
-                goto fail;
-        } else {
-            Py_INCREF(h); /* the key may die with its last reference in active */
-            int r = PyDict_DelItem(active, h);
-            if (r == 0)
-                r = PyObject_SetItem(inactive, h, Py_None);
-            Py_DECREF(h);
-            if (r < 0)
-                goto fail;
+    size_t hole = i, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (kv->map[j].slot < 0)
+            break;
+        size_t home = (size_t)mix64(kv->map[j].key) & mask;
+        if (((j - home) & mask) >= ((j - hole) & mask)) {
+            kv->map[hole] = kv->map[j];
+            hole = j;
         }
     }
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(seq);
-    return NULL;
+    kv->map[hole].slot = -1;
 }
 
-/* evict(inactive, slots, locals, silent, free_slots, n): pop the n least recently used inactive
- * blocks, free their slots; the evicted hashes that were announced, in eviction order. */
-static PyObject *
-evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* the slot of a cached full block, or -1 (also for anything that is not a 64-bit int) */
+static int32_t
+find(const KV *kv, PyObject *obj)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "evict(inactive, slots, locals, silent, free_slots, n)");
-        return NULL;
+    uint64_t key;
+    uint8_t neg;
+    int rc = to_key(obj, &key, &neg);
+    if (rc <= 0) {
+        if (rc < 0)
+            PyErr_Clear();
+        return -1;
     }
-    PyObject *inactive = args[0], *slots = args[1], *locals = args[2], *silent = args[3],
-             *free_slots = args[4];
-    if (check_dict(slots, "slots") < 0 || check_dict(locals, "locals") < 0)
-        return NULL;
-    if (!PySet_Check(silent) || !PyList_Check(free_slots)) {
-        PyErr_SetString(PyExc_TypeError, "silent must be a set and free_slots a list");
-        return NULL;
-    }
-    Py_ssize_t n = PyLong_AsSsize_t(args[5]);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
+    return map_get(kv, key);
+}
+
+/* ---- the LRU (inactive blocks; head: least recently used) ----------------------------- */
+
+static void
+lru_append(KV *kv, int32_t s)
+{
+    Entry *e = &kv->e[s];
+    e->prev = kv->lru_tail;
+    e->next = -1;
+    if (kv->lru_tail >= 0)
+        kv->e[kv->lru_tail].next = s;
+    else
+        kv->lru_head = s;
+    kv->lru_tail = s;
+    kv->n_inactive++;
+}
+
+static void
+lru_remove(KV *kv, int32_t s)
+{
+    Entry *e = &kv->e[s];
+    if (e->prev >= 0)
+        kv->e[e->prev].next = e->next;
+    else
+        kv->lru_head = e->next;
+    if (e->next >= 0)
+        kv->e[e->next].prev = e->prev;
+    else
+        kv->lru_tail = e->prev;
+    e->prev = e->next = -1;
+    kv->n_inactive--;
+}
+
+/* ---- events --------------------------------------------------------------------------- */
+
+static int
+emit(KV *kv, PyObject *data)
+{
+    PyObject *eid = PyLong_FromLongLong(kv->next_event_id);
+    if (eid == NULL)
+        return -1;
+    PyObject *args[3] = {eid, data, kv->dp_rank};
+    PyObject *ev = PyObject_Vectorcall(cls_event, args, 0, kw_event);
+    Py_DECREF(eid);
+    if (ev == NULL)
+        return -1;
+    int rc = PyList_Append(kv->events, ev);
+    Py_DECREF(ev);
+    if (rc == 0)
+        kv->next_event_id++;
+    return rc;
+}
+
+static int
+emit_stored(KV *kv, PyObject *parent, PyObject *blocks)
+{
+    PyObject *args[2] = {parent, blocks};
+    PyObject *data = PyObject_Vectorcall(cls_stored, args, 0, kw_stored);
+    if (data == NULL)
+        return -1;
+    int rc = emit(kv, data);
+    Py_DECREF(data);
+    return rc;
+}
+
+static PyObject *
+stored_block(PyObject *hash, PyObject *local)
+{
+    PyObject *args[2] = {hash, local};
+    return PyObject_Vectorcall(cls_block, args, 2, NULL);
+}
+
+/* Evict LRU inactive blocks until n slots are free (one Removed event for the announced). */
+static int
+make_room(KV *kv, Py_ssize_t n)
+{
+    Py_ssize_t free = kv->num_blocks - kv->n_full_active - kv->n_unique - kv->n_inactive;
+    if (free >= n)
+        return 0;
     PyObject *evicted = PyList_New(0);
     if (evicted == NULL)
-        return NULL;
-    PyObject *oldest = Py_False; /* popitem(last=False) */
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *pair = PyObject_CallMethodOneArg(inactive, s_popitem, oldest);
-        if (pair == NULL)
-            goto fail;
-        PyObject *h = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
-        Py_DECREF(pair);
-        PyObject *slot = PyDict_GetItemWithError(slots, h); /* borrowed */
-        int r = -1;
-        if (slot == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetObject(PyExc_KeyError, h);
-        } else if (PyList_Append(free_slots, slot) == 0 && PyDict_DelItem(slots, h) == 0 &&
-                   PyDict_DelItem(locals, h) == 0) {
-            r = PySet_Discard(silent, h); /* 1: it was silent, never announced */
-            if (r == 0)
-                r = PyList_Append(evicted, h);
+        return -1;
+    for (Py_ssize_t k = 0; k < n - free; k++) {
+        int32_t s = kv->lru_head;
+        if (s < 0) {
+            Py_DECREF(evicted);
+            PyErr_SetString(PyExc_KeyError, "dictionary is empty");
+            return -1;
+        }
+        Entry *e = &kv->e[s];
+        lru_remove(kv, s);
+        map_del(kv, e->hash);
+        e->kind = FREE;
+        kv->free_slots[kv->nfree++] = s;
+        if (e->silent)
+            continue;
+        PyObject *h = key_obj(e->hash, e->neg);
+        if (h == NULL || PyList_Append(evicted, h) < 0) {
+            Py_XDECREF(h);
+            Py_DECREF(evicted);
+            return -1;
         }
         Py_DECREF(h);
-        if (r < 0)
-            goto fail;
     }
-    return evicted;
-fail:
+    int rc = 0;
+    if (PyList_GET_SIZE(evicted) > 0) {
+        PyObject *args[1] = {evicted};
+        PyObject *data = PyObject_Vectorcall(cls_removed, args, 0, kw_removed);
+        rc = data == NULL ? -1 : emit(kv, data);
+        Py_XDECREF(data);
+    }
     Py_DECREF(evicted);
+    return rc;
+}
+
+/* ---- queries -------------------------------------------------------------------------- */
+
+static Py_ssize_t
+num_active(const KV *kv)
+{
+    return kv->n_full_active + kv->n_unique;
+}
+
+static PyObject *
+KV_num_active_blocks(KV *kv, void *Py_UNUSED(c))
+{
+    return PyLong_FromSsize_t(num_active(kv));
+}
+
+static PyObject *
+KV_num_inactive_blocks(KV *kv, void *Py_UNUSED(c))
+{
+    return PyLong_FromSsize_t(kv->n_inactive);
+}
+
+static PyObject *
+KV_num_available_blocks(KV *kv, void *Py_UNUSED(c))
+{
+    return PyLong_FromSsize_t(kv->num_blocks - num_active(kv));
+}
+
+static PyObject *
+KV_slot_of(KV *kv, PyObject *h)
+{
+    int32_t s = find(kv, h);
+    if (s < 0) {
+        PyErr_SetObject(PyExc_KeyError, h);
+        return NULL;
+    }
+    return PyLong_FromLong(s);
+}
+
+static PyObject *
+KV_local_hash_of(KV *kv, PyObject *h)
+{
+    int32_t s = find(kv, h);
+    if (s < 0) {
+        PyErr_SetObject(PyExc_KeyError, h);
+        return NULL;
+    }
+    return key_obj(kv->e[s].local, kv->e[s].lneg);
+}
+
+static PyObject *
+KV_block_table(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "block_table(full_blocks, unique_blocks)");
+        return NULL;
+    }
+    PyObject *full = PySequence_Fast(args[0], "full_blocks must be a sequence");
+    if (full == NULL)
+        return NULL;
+    PyObject *out = PySequence_List(args[1]);
+    if (out == NULL) {
+        Py_DECREF(full);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(full);
+    PyObject *table = PyList_New(n);
+    if (table == NULL)
+        goto fail;
+    PyObject *const *items = PySequence_Fast_ITEMS(full);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = KV_slot_of(kv, items[i]);
+        if (slot == NULL) {
+            Py_DECREF(table);
+            goto fail;
+        }
+        PyList_SET_ITEM(table, i, slot);
+    }
+    /* full blocks lead, then the private ones */
+    if (PyList_SetSlice(out, 0, 0, table) < 0) {
+        Py_DECREF(table);
+        goto fail;
+    }
+    Py_DECREF(table);
+    Py_DECREF(full);
+    return out;
+fail:
+    Py_DECREF(full);
+    Py_DECREF(out);
     return NULL;
 }
 
-
-/* pin(active, inactive, hashes): one reference more to each active hash; an inactive one is
- * revived (leaves the pool, refcount 1); the indices of the others (absent), in order. */
 static PyObject *
-pin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+KV_refcount(KV *kv, PyObject *h)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "pin(active, inactive, hashes)");
+    int32_t s = find(kv, h);
+    return PyLong_FromLong(s < 0 ? 0 : kv->e[s].refcount);
+}
+
+static PyObject *
+KV_is_cached(KV *kv, PyObject *h)
+{
+    return PyBool_FromLong(find(kv, h) >= 0);
+}
+
+static PyObject *
+KV_cached_blocks(KV *kv, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PySet_New(NULL);
+    if (out == NULL)
         return NULL;
+    for (Py_ssize_t s = 0; s < kv->num_blocks; s++) {
+        const Entry *e = &kv->e[s];
+        if (e->kind != FULL)
+            continue;
+        PyObject *h = key_obj(e->hash, e->neg);
+        if (h == NULL || PySet_Add(out, h) < 0) {
+            Py_XDECREF(h);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(h);
     }
-    PyObject *active = args[0], *inactive = args[1];
-    if (check_dict(active, "active") < 0 || check_dict(inactive, "inactive") < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[2], "hashes must be a sequence");
+    return out;
+}
+
+static PyObject *
+KV_num_cached_prefix(KV *kv, PyObject *hashes)
+{
+    PyObject *seq = PySequence_Fast(hashes, "block_hashes must be a sequence");
     if (seq == NULL)
         return NULL;
-    PyObject *absent = PyList_New(0), *one = PyLong_FromLong(1);
-    if (absent == NULL || one == NULL)
-        goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = items[i];
-        PyObject *rc = PyDict_GetItemWithError(active, h); /* borrowed */
-        int r;
-        if (rc != NULL) {
-            PyObject *more = PyNumber_Add(rc, one);
-            if (more == NULL)
-                goto fail;
-            r = PyDict_SetItem(active, h, more);
-            Py_DECREF(more);
-        } else if (PyErr_Occurred()) {
-            goto fail;
-        } else {
-            r = PyDict_Contains(inactive, h);
-            if (r == 1) {
-                r = PyObject_DelItem(inactive, h);
-                if (r == 0)
-                    r = PyDict_SetItem(active, h, one);
-            } else if (r == 0) {
-                PyObject *index = PyLong_FromSsize_t(i);
-                r = index == NULL ? -1 : PyList_Append(absent, index);
-                Py_XDECREF(index);
-            }
-        }
-        if (r < 0)
-            goto fail;
+    Py_ssize_t n = 0;
+    if (kv->enable_prefix_caching) {
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+        PyObject *const *items = PySequence_Fast_ITEMS(seq);
+        while (n < len && find(kv, items[n]) >= 0)
+            n++;
     }
     Py_DECREF(seq);
-    Py_DECREF(one);
-    return absent;
-fail:
+    return PyLong_FromSsize_t(n);
+}
+
+static Py_ssize_t
+count_missing(const KV *kv, PyObject *seq)
+{
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq), missing = 0;
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        int32_t s = find(kv, items[i]);
+        if (s < 0 || kv->e[s].refcount == 0)
+            missing++;
+    }
+    return missing;
+}
+
+static PyObject *
+KV_num_slots_needed(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "num_slots_needed(block_hashes, num_unique)");
+        return NULL;
+    }
+    Py_ssize_t extra = PyLong_AsSsize_t(args[1]);
+    if (extra == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "block_hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t missing = count_missing(kv, seq);
     Py_DECREF(seq);
-    Py_XDECREF(one);
-    Py_XDECREF(absent);
+    return PyLong_FromSsize_t(missing + extra);
+}
+
+/* ---- mutations ------------------------------------------------------------------------ */
+
+static int32_t
+store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, PyObject *local, int silent)
+{
+    uint64_t lk;
+    uint8_t lneg;
+    if (need_key(local, &lk, &lneg) < 0)
+        return -1;
+    Entry *e = &kv->e[s];
+    *e = (Entry){h, lk, -1, -1, 1, neg, lneg, (uint8_t)silent, FULL};
+    map_put(kv, h, s);
+    kv->n_full_active++;
+    return 0;
+}
+
+static PyObject *
+KV_use(KV *kv, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"block_hashes", "local_hashes", "announce", NULL};
+    PyObject *hashes, *locals_obj;
+    int announce = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$p:use", kwlist, &hashes, &locals_obj,
+                                     &announce))
+        return NULL;
+    if (!kv->enable_prefix_caching) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "full blocks are not used when prefix caching is off");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(hashes, "block_hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *lseq = PySequence_Fast(locals_obj, "local_hashes must be a sequence");
+    if (lseq == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *res = NULL, *run = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    PyObject *const *litems = PySequence_Fast_ITEMS(lseq);
+    uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    uint8_t *negs = PyMem_Malloc((size_t)(n ? n : 1));
+    Py_ssize_t *absent = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (keys == NULL || negs == NULL || absent == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PySequence_Fast_GET_SIZE(lseq) < n) {
+        PyErr_SetString(PyExc_IndexError, "local_hashes is shorter than block_hashes");
+        goto done;
+    }
+    Py_ssize_t missing = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (need_key(items[i], &keys[i], &negs[i]) < 0)
+            goto done;
+        int32_t s = map_get(kv, keys[i]);
+        if (s < 0 || kv->e[s].refcount == 0)
+            missing++;
+        uint64_t lk;
+        uint8_t lneg;
+        if (s < 0 && need_key(litems[i], &lk, &lneg) < 0) /* checked before any change */
+            goto done;
+    }
+    if (missing > kv->num_blocks - num_active(kv)) {
+        PyErr_SetString(PyExc_RuntimeError, "not enough KV blocks");
+        goto done;
+    }
+    /* pin every block we already have first, so eviction below never takes one of ours */
+    Py_ssize_t nabsent = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = map_get(kv, keys[i]);
+        if (s < 0) {
+            absent[nabsent++] = i;
+            continue;
+        }
+        Entry *e = &kv->e[s];
+        if (e->refcount == 0) {
+            lru_remove(kv, s);
+            kv->n_full_active++;
+        }
+        e->refcount++;
+    }
+    if (make_room(kv, nabsent) < 0)
+        goto done;
+    Py_ssize_t run_start = 0;
+    for (Py_ssize_t k = 0; k < nabsent; k++) {
+        Py_ssize_t i = absent[k];
+        int32_t s = map_get(kv, keys[i]);
+        if (s >= 0) { /* a hash repeated in the chain: already stored above */
+            kv->e[s].refcount++;
+        }
+        else {
+            s = kv->free_slots[--kv->nfree];
+            if (store_full(kv, s, keys[i], negs[i], litems[i], !announce) < 0) {
+                kv->nfree++;
+                goto done;
+            }
+        }
+        if (!announce)
+            continue;
+        if (run == NULL) {
+            run = PyList_New(0);
+            if (run == NULL)
+                goto done;
+            run_start = i;
+        }
+        PyObject *blk = stored_block(items[i], litems[i]);
+        if (blk == NULL || PyList_Append(run, blk) < 0) {
+            Py_XDECREF(blk);
+            goto done;
+        }
+        Py_DECREF(blk);
+        if (k + 1 == nabsent || absent[k + 1] != i + 1) {
+            PyObject *parent = run_start > 0 ? items[run_start - 1] : Py_None;
+            if (emit_stored(kv, parent, run) < 0)
+                goto done;
+            Py_CLEAR(run);
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(run);
+    PyMem_Free(keys);
+    PyMem_Free(negs);
+    PyMem_Free(absent);
+    Py_DECREF(seq);
+    Py_DECREF(lseq);
+    return res;
+}
+
+static PyObject *
+KV_allocate_unique(KV *kv, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    if (n > kv->num_blocks - num_active(kv))
+        Py_RETURN_NONE;
+    if (make_room(kv, n) < 0)
+        return NULL;
+    PyObject *ids = PyList_New(n);
+    if (ids == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *x = PyLong_FromLong(kv->free_slots[kv->nfree - 1 - k]);
+        if (x == NULL) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyList_SET_ITEM(ids, k, x);
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        kv->e[kv->free_slots[--kv->nfree]].kind = UNIQUE;
+    kv->n_unique += n;
+    return ids;
+}
+
+/* a private block's id as a slot, or -1 with KeyError set */
+static int32_t
+unique_slot(KV *kv, PyObject *obj)
+{
+    long v = PyLong_Check(obj) ? PyLong_AsLong(obj) : -1;
+    if (v == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    if (v < 0 || v >= kv->num_blocks || kv->e[v].kind != UNIQUE) {
+        PyErr_SetString(PyExc_KeyError, "a private block that is not allocated");
+        return -1;
+    }
+    return (int32_t)v;
+}
+
+static PyObject *
+KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "promote_run(unique_ids, block_hashes, local_hashes, parent)");
+        return NULL;
+    }
+    PyObject *useq = NULL, *hseq = NULL, *lseq = NULL, *run = NULL, *res = NULL;
+    useq = PySequence_Fast(args[0], "unique_ids must be a sequence");
+    hseq = useq ? PySequence_Fast(args[1], "block_hashes must be a sequence") : NULL;
+    lseq = hseq ? PySequence_Fast(args[2], "local_hashes must be a sequence") : NULL;
+    if (lseq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(useq);
+    if (PySequence_Fast_GET_SIZE(hseq) != n || PySequence_Fast_GET_SIZE(lseq) != n) {
+        PyErr_SetString(PyExc_ValueError, "promote_run: the three lists differ in length");
+        goto done;
+    }
+    PyObject *const *uids = PySequence_Fast_ITEMS(useq);
+    PyObject *const *hs = PySequence_Fast_ITEMS(hseq);
+    PyObject *const *ls = PySequence_Fast_ITEMS(lseq);
+    for (Py_ssize_t i = 0; i < n; i++) { /* check first: nothing changes on a bad id */
+        uint64_t k;
+        uint8_t ng;
+        if (unique_slot(kv, uids[i]) < 0 || need_key(hs[i], &k, &ng) < 0 ||
+            need_key(ls[i], &k, &ng) < 0)
+            goto done;
+    }
+    PyObject *run_parent = args[3];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t u = unique_slot(kv, uids[i]);
+        if (u < 0)
+            goto done; /* the same id twice */
+        uint64_t h;
+        uint8_t neg;
+        need_key(hs[i], &h, &neg);
+        kv->e[u].kind = FREE;
+        kv->n_unique--;
+        int32_t s = map_get(kv, h);
+        if (s >= 0) { /* already cached: the private copy collapses onto it */
+            Entry *e = &kv->e[s];
+            if (e->refcount == 0) {
+                lru_remove(kv, s);
+                kv->n_full_active++;
+            }
+            e->refcount++;
+            kv->free_slots[kv->nfree++] = u;
+            if (run != NULL) {
+                if (emit_stored(kv, run_parent, run) < 0)
+                    goto done;
+                Py_CLEAR(run);
+            }
+            run_parent = hs[i];
+            continue;
+        }
+        if (store_full(kv, u, h, neg, ls[i], 0) < 0)
+            goto done;
+        if (run == NULL && (run = PyList_New(0)) == NULL)
+            goto done;
+        PyObject *blk = stored_block(hs[i], ls[i]);
+        if (blk == NULL || PyList_Append(run, blk) < 0) {
+            Py_XDECREF(blk);
+            goto done;
+        }
+        Py_DECREF(blk);
+    }
+    if (run != NULL && emit_stored(kv, run_parent, run) < 0)
+        goto done;
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(run);
+    Py_XDECREF(useq);
+    Py_XDECREF(hseq);
+    Py_XDECREF(lseq);
+    return res;
+}
+
+static PyObject *
+KV_promote(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "promote(unique_id, block_hash, local_hash, parent)");
+        return NULL;
+    }
+    PyObject *u = PyList_New(1), *h = PyList_New(1), *l = PyList_New(1);
+    PyObject *res = NULL;
+    if (u && h && l) {
+        Py_INCREF(args[0]);
+        PyList_SET_ITEM(u, 0, args[0]);
+        Py_INCREF(args[1]);
+        PyList_SET_ITEM(h, 0, args[1]);
+        Py_INCREF(args[2]);
+        PyList_SET_ITEM(l, 0, args[2]);
+        PyObject *a[4] = {u, h, l, args[3]};
+        res = KV_promote_run(kv, a, 4);
+    }
+    Py_XDECREF(u);
+    Py_XDECREF(h);
+    Py_XDECREF(l);
+    return res;
+}
+
+static PyObject *
+KV_release(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release(block_hashes, unique_ids)");
+        return NULL;
+    }
+    PyObject *useq = PySequence_Fast(args[1], "unique_ids must be a sequence");
+    if (useq == NULL)
+        return NULL;
+    PyObject *hseq = PySequence_Fast(args[0], "block_hashes must be a sequence");
+    if (hseq == NULL) {
+        Py_DECREF(useq);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nu = PySequence_Fast_GET_SIZE(useq);
+    PyObject *const *uids = PySequence_Fast_ITEMS(useq);
+    for (Py_ssize_t i = 0; i < nu; i++) {
+        if (unique_slot(kv, uids[i]) < 0) {
+            PyErr_SetString(PyExc_KeyError, "releasing a private block that is not allocated");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nu; i++) {
+        int32_t u = (int32_t)PyLong_AsLong(uids[i]);
+        if (kv->e[u].kind == UNIQUE) {
+            kv->e[u].kind = FREE;
+            kv->n_unique--;
+            kv->free_slots[kv->nfree++] = u;
+        }
+    }
+    /* tail first: within a chain the leaves become the least recently used */
+    PyObject *const *hs = PySequence_Fast_ITEMS(hseq);
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(hseq) - 1; i >= 0; i--) {
+        int32_t s = find(kv, hs[i]);
+        if (s < 0 || kv->e[s].refcount == 0) {
+            PyErr_SetObject(PyExc_KeyError, hs[i]);
+            goto done;
+        }
+        if (--kv->e[s].refcount == 0) {
+            kv->n_full_active--;
+            lru_append(kv, s);
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_DECREF(useq);
+    Py_DECREF(hseq);
+    return res;
+}
+
+static PyObject *
+KV_drain_events(KV *kv, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL)
+        return NULL;
+    PyObject *events = kv->events;
+    kv->events = fresh;
+    return events;
+}
+
+static PyObject *
+broken(const char *msg)
+{
+    PyErr_SetString(PyExc_AssertionError, msg);
     return NULL;
 }
 
-static PyMethodDef module_methods[] = {
-    {"cached_prefix", (PyCFunction)(void (*)(void))cached_prefix, METH_FASTCALL,
-     "cached_prefix(active, inactive, hashes): leading hashes cached."},
-    {"count_missing", (PyCFunction)(void (*)(void))count_missing, METH_FASTCALL,
-     "count_missing(active, hashes): hashes not active."},
-    {"pin", (PyCFunction)(void (*)(void))pin, METH_FASTCALL,
-     "pin(active, inactive, hashes): reference the present ones; the indices of the absent."},
-    {"release_full", (PyCFunction)(void (*)(void))release_full, METH_FASTCALL,
-     "release_full(active, inactive, hashes): drop one reference to each, tail first."},
-    {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
-     "evict(inactive, slots, locals, silent, free_slots, n): evict n LRU blocks."},
+static PyObject *
+KV_check_invariants(KV *kv, PyObject *Py_UNUSED(ignored))
+{
+    Py_ssize_t full_active = 0, inactive = 0, unique = 0, full = 0;
+    for (Py_ssize_t s = 0; s < kv->num_blocks; s++) {
+        const Entry *e = &kv->e[s];
+        if (e->kind == UNIQUE)
+            unique++;
+        if (e->kind != FULL)
+            continue;
+        full++;
+        if (e->refcount < 0)
+            return broken("negative refcount");
+        if (e->refcount > 0)
+            full_active++;
+        else
+            inactive++;
+        if (map_get(kv, e->hash) != (int32_t)s)
+            return broken("slotless block");
+        if (e->silent && !kv->enable_prefix_caching)
+            return broken("silent block with caching off");
+    }
+    if (full_active != kv->n_full_active || inactive != kv->n_inactive || unique != kv->n_unique)
+        return broken("block counts disagree with the table");
+    Py_ssize_t lru = 0;
+    for (int32_t s = kv->lru_head, prev = -1; s >= 0; prev = s, s = kv->e[s].next) {
+        if (kv->e[s].kind != FULL || kv->e[s].refcount != 0 || kv->e[s].prev != prev)
+            return broken("inactive pool holds an active or free block");
+        if (++lru > kv->num_blocks)
+            return broken("inactive pool is cyclic");
+    }
+    if (lru != inactive)
+        return broken("inactive pool misses a block");
+    Py_ssize_t mapped = 0;
+    for (size_t i = 0; i <= kv->mask; i++)
+        mapped += kv->map[i].slot >= 0;
+    if (mapped != full)
+        return broken("hash table holds a block that is not cached");
+    if (full + unique + kv->nfree != kv->num_blocks)
+        return broken("leaked slots");
+    char *seen = PyMem_Calloc((size_t)kv->num_blocks, 1);
+    if (seen == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < kv->nfree; k++) {
+        int32_t s = kv->free_slots[k];
+        if (s < 0 || s >= kv->num_blocks || seen[s] || kv->e[s].kind != FREE) {
+            PyMem_Free(seen);
+            return broken("slot used twice");
+        }
+        seen[s] = 1;
+    }
+    PyMem_Free(seen);
+    if (!kv->enable_prefix_caching && full)
+        return broken("full blocks with caching off");
+    Py_RETURN_NONE;
+}
+
+/* ---- type plumbing -------------------------------------------------------------------- */
+
+static PyObject *
+KV_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"num_blocks", "dp_rank", "enable_prefix_caching", NULL};
+    Py_ssize_t num_blocks;
+    PyObject *dp_rank = NULL;
+    int caching = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|$Op:KVManager", kwlist, &num_blocks,
+                                     &dp_rank, &caching))
+        return NULL;
+    if (num_blocks <= 0) {
+        PyErr_SetString(PyExc_ValueError, "num_blocks must be positive");
+        return NULL;
+    }
+    if (num_blocks > INT32_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "num_blocks is too large");
+        return NULL;
+    }
+    if (load_event_classes() < 0)
+        return NULL;
+    KV *kv = (KV *)type->tp_alloc(type, 0);
+    if (kv == NULL)
+        return NULL;
+    kv->num_blocks = num_blocks;
+    kv->enable_prefix_caching = (char)caching;
+    kv->dp_rank = dp_rank ? dp_rank : PyLong_FromLong(0);
+    if (dp_rank)
+        Py_INCREF(dp_rank);
+    size_t cap = 16;
+    while (cap < (size_t)num_blocks * 2)
+        cap *= 2;
+    kv->e = PyMem_Calloc((size_t)num_blocks, sizeof(Entry));
+    kv->free_slots = PyMem_Malloc((size_t)num_blocks * sizeof(int32_t));
+    kv->map = PyMem_Malloc(cap * sizeof(MapEntry));
+    kv->events = PyList_New(0);
+    if (kv->dp_rank == NULL || kv->e == NULL || kv->free_slots == NULL || kv->map == NULL ||
+        kv->events == NULL) {
+        Py_DECREF(kv);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    kv->mask = cap - 1;
+    for (size_t i = 0; i < cap; i++)
+        kv->map[i].slot = -1;
+    /* popped from the end: lowest slots first, so a fresh pool fills in order */
+    for (Py_ssize_t k = 0; k < num_blocks; k++)
+        kv->free_slots[k] = (int32_t)(num_blocks - 1 - k);
+    kv->nfree = num_blocks;
+    kv->lru_head = kv->lru_tail = -1;
+    return (PyObject *)kv;
+}
+
+static void
+KV_dealloc(KV *kv)
+{
+    PyMem_Free(kv->e);
+    PyMem_Free(kv->free_slots);
+    PyMem_Free(kv->map);
+    Py_XDECREF(kv->events);
+    Py_XDECREF(kv->dp_rank);
+    Py_TYPE(kv)->tp_free((PyObject *)kv);
+}
+
+static PyMethodDef KV_methods[] = {
+    {"slot_of", (PyCFunction)KV_slot_of, METH_O, NULL},
+    {"local_hash_of", (PyCFunction)KV_local_hash_of, METH_O, NULL},
+    {"block_table", (PyCFunction)(void (*)(void))KV_block_table, METH_FASTCALL, NULL},
+    {"refcount", (PyCFunction)KV_refcount, METH_O, NULL},
+    {"is_cached", (PyCFunction)KV_is_cached, METH_O, NULL},
+    {"cached_blocks", (PyCFunction)KV_cached_blocks, METH_NOARGS, NULL},
+    {"num_cached_prefix", (PyCFunction)KV_num_cached_prefix, METH_O, NULL},
+    {"num_slots_needed", (PyCFunction)(void (*)(void))KV_num_slots_needed, METH_FASTCALL, NULL},
+    {"use", (PyCFunction)(void (*)(void))KV_use, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"allocate_unique", (PyCFunction)KV_allocate_unique, METH_O, NULL},
+    {"promote", (PyCFunction)(void (*)(void))KV_promote, METH_FASTCALL, NULL},
+    {"promote_run", (PyCFunction)(void (*)(void))KV_promote_run, METH_FASTCALL, NULL},
+    {"release", (PyCFunction)(void (*)(void))KV_release, METH_FASTCALL, NULL},
+    {"drain_events", (PyCFunction)KV_drain_events, METH_NOARGS, NULL},
+    {"check_invariants", (PyCFunction)KV_check_invariants, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef kv_module = {
-    PyModuleDef_HEAD_INIT, "dynamo.engine_core._kv",
-    "Native loops of the KV manager's accounting (see _kv.pyi).", -1, module_methods,
-    NULL, NULL, NULL, NULL,
+static PyGetSetDef KV_getset[] = {
+    {"num_active_blocks", (getter)KV_num_active_blocks, NULL, NULL, NULL},
+    {"num_inactive_blocks", (getter)KV_num_inactive_blocks, NULL, NULL, NULL},
+    {"num_available_blocks", (getter)KV_num_available_blocks, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef KV_members[] = {
+    {"num_blocks", T_PYSSIZET, offsetof(KV, num_blocks), READONLY, NULL},
+    {"dp_rank", T_OBJECT_EX, offsetof(KV, dp_rank), READONLY, NULL},
+    {"enable_prefix_caching", T_BOOL, offsetof(KV, enable_prefix_caching), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject KVType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dynamo.engine_core._kv.KVManager",
+    .tp_basicsize = sizeof(KV),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "KV blocks of one DP rank (contract: _kv.pyi).",
+    .tp_new = KV_new,
+    .tp_dealloc = (destructor)KV_dealloc,
+    .tp_methods = KV_methods,
+    .tp_getset = KV_getset,
+    .tp_members = KV_members,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kv",
+    "KVManager as a native table (contract: _kv.pyi; fallback: _kv_fallback.py).",
+    -1, NULL, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
 PyInit__kv(void)
 {
-    if ((s_popitem = PyUnicode_InternFromString("popitem")) == NULL)
+    if (PyType_Ready(&KVType) < 0)
         return NULL;
-    return PyModule_Create(&kv_module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KVType);
+    if (PyModule_AddObject(m, "KVManager", (PyObject *)&KVType) < 0) {
+        Py_DECREF(&KVType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

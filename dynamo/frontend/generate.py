@@ -35,7 +35,12 @@ from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
 from dynamo.frontend.offload import PROCESS_ABOVE_BYTES, Offload
 from dynamo.frontend.pipeline import ChoiceDelta, ModelPipeline, RunStats
-from dynamo.frontend.request_params import prepare_request, wants, wants_timing
+from dynamo.frontend.request_params import (
+    plan_request,
+    prepare_request,
+    wants,
+    wants_timing,
+)
 from dynamo.frontend.streaming import (
     DONE,
     JSON_HEADERS,
@@ -161,7 +166,6 @@ class GenerateHandler:
         self._live.add(inflight)
         try:
             try:
-                offload = self.offload
                 req = await self._decode(endpoint, body)
                 del body  # a large prompt's bytes are not held while it is served
                 inflight.request_type = "stream" if req.stream else "unary"
@@ -178,10 +182,7 @@ class GenerateHandler:
                     tracing.tracer().start_as_current_span("preprocess") as span,
                 ):
                     began = time.perf_counter()
-                    size = _prompt_size(req)
-                    prepared, extras = await offload.run(
-                        size, _preprocess, preprocessor, req, inflight
-                    )
+                    prepared, extras = await self._prepare(preprocessor, req, inflight)
                     elapsed_ms = (time.perf_counter() - began) * 1000.0
                     self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
@@ -205,6 +206,21 @@ class GenerateHandler:
         finally:
             inflight.finish("error", "internal")  # a backstop: a no-op once finished
         return body_bytes
+
+    async def _prepare(
+        self, preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
+    ) -> tuple[list[Prepared], ResponseExtras | None]:
+        """Template, tokenize and shape ``req``: a large one whole on the offload pool; else the
+        template here and the tokenization, when other requests are in flight, on the tokenizer
+        thread (it releases the GIL: the loop serves them meanwhile)."""
+        size = _prompt_size(req)
+        if not self.offload.inline(size):
+            return await self.offload.run(size, _prepare_whole, preprocessor, req, inflight)
+        plan = plan_request(preprocessor, req, inflight.engine_id, inflight.priority_headers)
+        alone = len(self._live) <= 1
+        token_ids = await self.offload.encode(preprocessor, plan.prompts, inline=alone)
+        prepared = plan.prepared(preprocessor, token_ids)
+        return prepared, response_extras(req, prepared, preprocessor.tokenizer)
 
     def _useful_body_limit(self) -> int:
         """The body limit, lowered to the largest body a served model's context can use: a
@@ -404,7 +420,7 @@ def _prompt_size(req: OpenAIRequest) -> int:
     return size
 
 
-def _preprocess(
+def _prepare_whole(
     preprocessor: Preprocessor, req: OpenAIRequest, inflight: InflightRequest
 ) -> tuple[list[Prepared], ResponseExtras | None]:
     """Template, tokenize and shape ``req`` (pure CPU work: may run on the offload pool)."""

@@ -12,8 +12,8 @@ client's W3C ``traceparent`` if it sent one).
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -80,7 +80,9 @@ class InflightRequest:
         self.model = "unknown"
         self.request_type = "unary"
         client_id = http.header("x-dynamo-request-id") or http.header("x-request-id")
-        self.request_id = client_id or uuid.uuid4().hex
+        # 128 random bits in hex, as uuid4().hex but without building a UUID (a fifth of the
+        # cost, on every request's path to its first token)
+        self.request_id = client_id or os.urandom(16).hex()
         self.id_headers = [
             ("x-request-id", self.request_id),
             ("x-dynamo-request-id", self.request_id),
@@ -88,7 +90,7 @@ class InflightRequest:
         # The id the engines, router and request plane see must be unique: a client may reuse
         # its x-request-id (retries), and a cancel by context id must not hit the other request.
         self.engine_id = (
-            self.request_id if client_id is None else f"{client_id}-{uuid.uuid4().hex[:12]}"
+            self.request_id if client_id is None else f"{client_id}-{os.urandom(6).hex()}"
         )
         # The router-queue priority headers, read by the preprocessing (frontend/priority.py).
         self.priority_headers = (

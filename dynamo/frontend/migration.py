@@ -34,6 +34,7 @@ from dynamo.observability.metrics import FrontendMetrics
 from dynamo.protocol.output import LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest
 from dynamo.runtime.context import Context
+from dynamo.runtime.deferred_log import log_later
 from dynamo.runtime.errors import (
     CannotConnect,
     ConnectionTimeout,
@@ -173,7 +174,11 @@ class Migration:
         m = self._policy.metrics
         if m is not None:
             m.model_migration.labels(self._model, kind).inc()
-        log.info(
+        # Written after the continuation has been sent (a failed instance fails its streams in
+        # one burst: their continuations leave in one flush, not after every line is written).
+        log_later(
+            log,
+            logging.INFO,
             "migrating request %s (%s, %d tokens generated, %d retries left): %s",
             self._original.request_id,
             kind,

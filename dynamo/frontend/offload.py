@@ -1,9 +1,13 @@
 """CPU-heavy request work (JSON decoding, chat templating, tokenization) off the event loop.
 
-A request whose body is small is handled inline: a thread hop costs more than the work. A large
-one runs on a small thread pool (HF ``tokenizers`` releases the GIL while it encodes, so the loop
-keeps serving meanwhile); a body past ``PROCESS_ABOVE_BYTES`` is decoded in a helper process
-(``large_body.py``: msgspec holds the GIL while it decodes, whatever the thread). Both sit
+A request whose body is small is decoded and templated inline: a thread hop costs more than the
+work, and both hold the GIL anyway. Its tokenization, which releases the GIL, runs on the
+tokenizer thread (``preprocess/encode_thread.py``, in batches) whenever other requests are in
+flight, so that the loop serves them meanwhile; alone, it runs inline too (the hop would only add
+its latency). A large request runs whole on a small thread pool (the loop keeps serving
+meanwhile, but for the GIL-holding parts); a body past ``PROCESS_ABOVE_BYTES`` is decoded in a
+helper process (``large_body.py``: msgspec holds the GIL while it decodes, whatever the
+thread). Both sit
 behind one bounded queue: past ``max_pending`` large requests at once a new one is refused with
 :class:`Overloaded` rather than queued without bound. A job counts as pending until its thread or
 process is done with it, even when the request that asked for it was cancelled.
@@ -15,10 +19,12 @@ import asyncio
 import concurrent.futures
 import functools
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from dynamo.frontend.heap_trim import trim_heap
+from dynamo.preprocess import Preprocessor, Prompt, PromptText
+from dynamo.preprocess.encode_thread import EncodeThread
 from dynamo.runtime.errors import Overloaded
 
 T = TypeVar("T")
@@ -44,10 +50,26 @@ class Offload:
         self.pending = 0
         self._trimming = False
         self.trims = 0
+        self.tokenizer_thread = EncodeThread()
+
+    def inline(self, size: int) -> bool:
+        """Whether a request of ``size`` bytes is preprocessed on the loop (:meth:`run`)."""
+        return size < self._inline_below
+
+    async def encode(
+        self, preprocessor: Preprocessor, prompts: Sequence[Prompt], *, inline: bool
+    ) -> list[list[int]]:
+        """The token ids of every prompt: here when ``inline`` (or nothing is text), else on the
+        tokenizer thread. Not counted as pending: a small prompt's tokenization is short."""
+        texts = [p for p in prompts if isinstance(p, PromptText)]
+        if inline or not texts:
+            return preprocessor.encode(prompts)
+        encoded = iter(await self.tokenizer_thread.encode(preprocessor.tokenizer, texts))
+        return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
     async def run(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``: inline when ``size`` (the request's bytes) is small, else on the pool."""
-        if size < self._inline_below:
+        if self.inline(size):
             return fn(*args)
         return await self._submit(self._pool, functools.partial(fn, *args))
 
@@ -90,6 +112,7 @@ class Offload:
         self.trims += 1
 
     def close(self) -> None:
+        self.tokenizer_thread.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._process is not None:
             self._process.shutdown(wait=False, cancel_futures=True)

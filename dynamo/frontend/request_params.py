@@ -5,13 +5,15 @@ the serving engine can honour them is ``capabilities.check_supported``'s questio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 import msgspec
 
 from dynamo.frontend.priority import PriorityHeaders, request_priority
-from dynamo.preprocess import GenerationParams, Prepared, Preprocessor
+from dynamo.preprocess import GenerationParams, Prepared, Preprocessor, Prompt
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest, normalize_prompt
 from dynamo.protocol.request import GuidedDecodingOptions, RoutingHints
 from dynamo.runtime.errors import InvalidArgument
@@ -25,15 +27,41 @@ MAX_ENGINE_REQUESTS = 1024
 """Most engine requests (prompts of a batch x n) one HTTP request may fan out to."""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """One HTTP request checked and its prompts rendered, before tokenization: the merged
+    generation parameters, the prompts (one per prompt of a batch) and ``n``."""
+
+    params: GenerationParams
+    prompts: list[Prompt]
+    n: int
+
+    def prepared(self, pre: Preprocessor, token_ids: Sequence[list[int]]) -> list[Prepared]:
+        """The engine requests, ``token_ids[i]`` being ``prompts[i]``'s tokens: one per choice
+        (n) and prompt (batch). Raises InvalidArgument (HTTP 400)."""
+        return _expand_n(pre.prepare(self.prompts, token_ids, self.params), self.n)
+
+
 def prepare_request(
     pre: Preprocessor,
     req: ChatCompletionRequest | CompletionRequest,
     request_id: str,
     priority_headers: PriorityHeaders = (None, None),
 ) -> list[Prepared]:
-    """The engine requests of one HTTP request: the body's fields merged with nvext (nvext
-    wins for sampling extensions), preprocessed, one per choice (n) and prompt (batch).
-    ``priority_headers``: the request's router-queue priority headers (``priority.py``)."""
+    """The engine requests of one HTTP request (:func:`plan_request`, tokenized inline)."""
+    plan = plan_request(pre, req, request_id, priority_headers)
+    return plan.prepared(pre, pre.encode(plan.prompts))
+
+
+def plan_request(
+    pre: Preprocessor,
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    priority_headers: PriorityHeaders = (None, None),
+) -> RequestPlan:
+    """One HTTP request's plan: the body's fields merged with nvext (nvext wins for sampling
+    extensions), its prompts checked and rendered (chat template). ``priority_headers``: the
+    request's router-queue priority headers (``priority.py``). Raises InvalidArgument."""
     nv = req.nvext
     annotations = [a for a in (nv.annotations or []) if a in SUPPORTED_ANNOTATIONS] if nv else []
     routing = None
@@ -87,30 +115,26 @@ def prepare_request(
     )
     if isinstance(req, ChatCompletionRequest):
         messages = msgspec.to_builtins(req.messages)
-        base = [
-            pre.chat(
-                messages,
-                params,
-                tools=req.tools,
-                add_generation_prompt=req.add_generation_prompt,
-                chat_template_kwargs=req.chat_template_kwargs,
-                use_raw_prompt=bool(nv and nv.use_raw_prompt),
-            )
-        ]
-    else:
-        try:
-            prompts = normalize_prompt(req.prompt)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        if len(prompts) * req.n > MAX_ENGINE_REQUESTS:
-            raise InvalidArgument(
-                f"a request may hold at most {MAX_ENGINE_REQUESTS} prompts x n; "
-                f"this one has {len(prompts)} x {req.n}",
-                param="prompt",
-            )
-        batch: Any = prompts if len(prompts) > 1 else prompts[0]
-        base = pre.completion(batch, params)
-    return _expand_n(base, req.n)
+        prompt = pre.chat_prompt(
+            messages,
+            tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=req.chat_template_kwargs,
+            use_raw_prompt=bool(nv and nv.use_raw_prompt),
+        )
+        return RequestPlan(params, [prompt], req.n)
+    try:
+        prompts = normalize_prompt(req.prompt)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    if len(prompts) * req.n > MAX_ENGINE_REQUESTS:
+        raise InvalidArgument(
+            f"a request may hold at most {MAX_ENGINE_REQUESTS} prompts x n; "
+            f"this one has {len(prompts)} x {req.n}",
+            param="prompt",
+        )
+    batch: Any = prompts if len(prompts) > 1 else prompts[0]
+    return RequestPlan(params, pre.completion_prompts(batch), req.n)
 
 
 def wants(req: Any, annotation: str) -> bool:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo.backend.disagg import role_component
+from dynamo.engine_core.config import PREEMPTION_MODES, add_scheduler_flags
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
 DISAGGREGATION_MODES = tuple(role.value for role in WorkerRole)
-PREEMPTION_MODES = ("lifo", "fifo")
 DEFAULT_CONTEXT_LENGTH = 32768
 """Used when neither ``--context-length`` nor the model's config gives one."""
 
@@ -125,41 +125,7 @@ class MockerConfig:
             help="KV blocks per DP rank",
         )
         add_flag(g, "--block-size", default=d.block_size, type=int, help="tokens per KV block")
-        add_flag(
-            g,
-            "--max-num-seqs",
-            default=d.max_num_seqs,
-            type=int,
-            help="most running requests per DP rank",
-        )
-        add_flag(
-            g,
-            "--max-num-batched-tokens",
-            default=d.max_num_batched_tokens,
-            type=int,
-            help="token budget of one forward pass",
-        )
-        add_flag(
-            g,
-            "--enable-prefix-caching",
-            default=d.enable_prefix_caching,
-            type=bool,
-            help="reuse cached prompt blocks",
-        )
-        add_flag(
-            g,
-            "--enable-chunked-prefill",
-            default=d.enable_chunked_prefill,
-            type=bool,
-            help="split long prompts over several passes",
-        )
-        add_flag(
-            g,
-            "--preemption-mode",
-            default=d.preemption_mode,
-            choices=PREEMPTION_MODES,
-            help="which running request to preempt under KV pressure (lifo = newest)",
-        )
+        add_scheduler_flags(g, d)
         add_flag(
             g,
             "--speedup-ratio",

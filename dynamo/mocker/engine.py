@@ -33,6 +33,7 @@ from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.runtime.context import Context
+from dynamo.runtime.deferred_log import log_later
 from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -255,6 +256,8 @@ class MockerEngine(LLMEngine):
                     previous_end = None
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
+                if out.num_prefill_tokens and log.isEnabledFor(logging.DEBUG):
+                    _log_prefill_pass(out, self.clock.now())
                 hand_out = False  # let consumers take the tokens right after this pass
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
                     previous_end = out.start + out.duration
@@ -446,12 +449,29 @@ async def _let_tokens_leave() -> None:
     await asyncio.sleep(0)
 
 
+def _log_prefill_pass(out: StepOutput, now: float) -> None:
+    """A pass with prefill work starts (debug; the fault benchmark reads it to know when the
+    next token of a killed worker's streams was due: at the end of such a pass in progress).
+    Written at once, not later: the worker may be killed before the pass ends."""
+    log.debug(
+        "prefill pass: ends_in_ms=%.3f pass_ms=%.3f pass_prefill_tokens=%d decodes=%d",
+        (out.start + out.duration - now) * 1000,
+        out.duration * 1000,
+        out.num_prefill_tokens,
+        out.num_decodes,
+    )
+
+
 def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:
     """Where a request's time to first token went on this worker (debug; the fault benchmark
     reads it to split a migration's gap): waiting for the pass in progress, the modelled pass
-    that produced the token, and how late the loop delivered it (CPU starvation)."""
+    that produced the token, and how late the loop delivered it (CPU starvation). Written once
+    the pass's tokens have left (``log_later``): the measurement must not delay what it
+    measures."""
     end = out.start + out.duration
-    log.debug(
+    log_later(
+        log,
+        logging.DEBUG,
         "first token of %s: queued_ms=%.3f pass_ms=%.3f late_ms=%.3f pass_prefill_tokens=%d "
         "prompt_tokens=%d cached_tokens=%d decodes=%d",
         seq.request_id,
@@ -462,6 +482,7 @@ def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:
         seq.num_prompt_tokens,
         seq.num_cached_tokens or 0,
         out.num_decodes,
+        turns=3,
     )
 
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dynamo.backend.engine import RankMetrics
+from dynamo.observability.collector import ScrapeCollector
 
 # Engine gauges (the reference's ``prometheus_names.kvstats`` under ``dynamo_component_``; the
 # reference's worker takes running/waiting from its engine as vLLM's ``num_requests_*``).
@@ -40,9 +41,9 @@ EngineSnapshots = Callable[[], Iterable[tuple[str, int, Sequence[RankMetrics]]]]
 """Yields (model, worker id, that engine's ``metrics_snapshot()``) for each engine."""
 
 
-class EngineGauges:
-    """Per-rank engine gauges, collected from the engines at every scrape (never stale, nothing
-    to push). Registered on a worker's registry; ``source`` must be cheap and must not raise."""
+class EngineGauges(ScrapeCollector):
+    """Per-rank engine gauges, collected from the engines at every scrape. Registered on a
+    worker's registry; ``source`` must be cheap and must not raise."""
 
     def __init__(
         self,
@@ -54,10 +55,7 @@ class EngineGauges:
     ) -> None:
         self._static = (namespace, component, endpoint)
         self._source = source
-        registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return []  # the families are only known at collection; nothing to check up front
+        super().__init__(registry)
 
     def collect(self) -> Iterator[Metric]:
         families = [GaugeMetricFamily(n, doc, labels=ENGINE_LABELS) for n, doc in ENGINE_GAUGES]

@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 
 from dynamo.observability.buckets import env_buckets, exponential_buckets
+from dynamo.observability.collector import ScrapeCollector
 
 
 class _LabelMemo(MetricWrapperBase):
@@ -314,17 +315,14 @@ WorkerLoads = Callable[[], Iterable[tuple[int, int, str, int, int]]]
 """Yields (worker id, dp rank, worker type, active decode blocks, active prefill tokens)."""
 
 
-class WorkerLoadGauges:
+class WorkerLoadGauges(ScrapeCollector):
     """The frontend's ``worker_active_decode_blocks`` / ``worker_active_prefill_tokens``: the
     KV routers' view of each worker's load, read at every scrape."""
 
     def __init__(self, prefix: str, registry: CollectorRegistry, source: WorkerLoads) -> None:
         self._prefix = prefix.rstrip("_")
         self._source = source
-        registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return []
+        super().__init__(registry)
 
     def collect(self) -> Iterator[Metric]:
         labels = ["worker_id", "dp_rank", "worker_type"]

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dynamo.observability.buckets import log_buckets
+from dynamo.observability.collector import ScrapeCollector
 from dynamo.observability.metrics import Counter, Gauge, Histogram
 
 COMPONENT_LABELS = ["dynamo_namespace", "dynamo_component", "dynamo_endpoint", "router_id"]
@@ -137,8 +138,8 @@ class RouterRequestMetrics:
         )
         self.source_mismatch = Gauge(
             "dynamo_component_router_kv_event_source_mismatch_workers",
-            "Workers the router expects KV events from whose KV query endpoint "
-            "(kv_recovery) is not registered",
+            "Workers the router expects KV events from that explicitly disabled KV event "
+            "publishing or have no registered KV query endpoint (kv_recovery)",
             [*names, *SOURCE_LABELS],
             registry=r,
         )
@@ -269,17 +270,14 @@ QueueDepths = Callable[[], Iterable[tuple[str, str, int, int, int, int]]]
 tokens, requests refused by the queue limit since start), one per router queue."""
 
 
-class RouterQueueGauges:
+class RouterQueueGauges(ScrapeCollector):
     """The frontend's router-queue families, summed over its models' routers of each worker
     type, read at every scrape (the queues themselves are the only state)."""
 
     def __init__(self, prefix: str, registry: CollectorRegistry, source: QueueDepths) -> None:
         self._prefix = prefix.rstrip("_")
         self._source = source
-        registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return []
+        super().__init__(registry)
 
     def collect(self) -> Iterator[Metric]:
         p = self._prefix

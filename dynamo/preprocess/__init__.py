@@ -8,7 +8,13 @@ from dynamo.preprocess.model_dir import (
     load_model_dir,
     tokenizer_checksum,
 )
-from dynamo.preprocess.preprocessor import GenerationParams, Prepared, Preprocessor
+from dynamo.preprocess.preprocessor import (
+    GenerationParams,
+    Prepared,
+    Preprocessor,
+    Prompt,
+    PromptText,
+)
 from dynamo.preprocess.tokenizer import Tokenizer
 
 __all__ = [
@@ -20,6 +26,8 @@ __all__ = [
     "ModelDir",
     "Prepared",
     "Preprocessor",
+    "Prompt",
+    "PromptText",
     "Tokenizer",
     "demo_model_path",
     "load_model_dir",

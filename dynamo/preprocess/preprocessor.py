@@ -29,6 +29,19 @@ from dynamo.runtime.errors import InvalidArgument
 CompletionPrompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """A prompt's text before tokenization, and whether the tokenizer adds its special tokens
+    (e.g. BOS: yes for a completion prompt, no for a rendered chat template, which has them)."""
+
+    text: str
+    add_special_tokens: bool
+
+
+Prompt = PromptText | list[int]
+"""A prompt to serve: text to tokenize, or token ids the client sent (already checked)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationParams:
     """A request's sampling and stop fields, already merged from the body's top level and nvext.
@@ -136,18 +149,17 @@ class Preprocessor:
             raise InvalidArgument("chat_template_kwargs must not contain 'messages'")
         return template.render(messages, **options)
 
-    def chat(
+    def chat_prompt(
         self,
         messages: Sequence[Message],
-        params: GenerationParams,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         use_raw_prompt: bool = False,
-    ) -> Prepared:
-        """Preprocess a chat completion.
+    ) -> PromptText:
+        """A chat completion's prompt text, checked and rendered but not yet tokenized.
 
         The chat template renders the messages and the result is tokenized without adding
         special tokens (the template has them), like ``apply_chat_template(tokenize=True)``.
@@ -160,22 +172,21 @@ class Preprocessor:
         messages = _checked_messages(messages)
         if use_raw_prompt:
             text = "".join(_message_text(_as_dict(message)) for message in messages)
-            token_ids = self._encode_prompt(text, add_special_tokens=True)
-        else:
-            text = self.render_chat(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-            token_ids = self._encode_prompt(text, add_special_tokens=False)
-        return self._prepare(token_ids, text, params)
+            return self._prompt_text(text, add_special_tokens=True)
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self._prompt_text(text, add_special_tokens=False)
 
-    def completion(
-        self, prompt: CompletionPrompt, params: GenerationParams, *, add_special_tokens: bool = True
-    ) -> list[Prepared]:
-        """Preprocess a (legacy) completion: one Prepared per prompt of the batch.
+    def completion_prompts(
+        self, prompt: CompletionPrompt, *, add_special_tokens: bool = True
+    ) -> list[Prompt]:
+        """A (legacy) completion's prompts, checked but not yet tokenized: one per prompt of
+        the batch.
 
         ``prompt`` is a string, a list of token ids, a list of strings or a list of token-id
         lists. Text is tokenized as is (no chat template, so nvext ``use_raw_prompt`` changes
@@ -183,24 +194,70 @@ class Preprocessor:
         passed through after a range check.
         """
         if isinstance(prompt, str):
-            return [self._prepare(self._encode_prompt(prompt, add_special_tokens), prompt, params)]
+            return [self._prompt_text(prompt, add_special_tokens)]
         if not isinstance(prompt, Sequence) or isinstance(prompt, bytes) or not prompt:
             raise InvalidArgument("prompt must be a non-empty string, token list or batch")
         first = prompt[0]
         if isinstance(first, int) and not isinstance(first, bool):
-            return [self._prepare(self._checked_ids(prompt), None, params)]
-        batch: list[Prepared] = []
+            return [self._checked_ids(prompt)]
+        batch: list[Prompt] = []
         for item in prompt:
             if isinstance(item, str):
-                ids = self._encode_prompt(item, add_special_tokens)
-                batch.append(self._prepare(ids, item, params))
+                batch.append(self._prompt_text(item, add_special_tokens))
             elif isinstance(item, Sequence) and not isinstance(item, bytes):
-                batch.append(self._prepare(self._checked_ids(item), None, params))
+                batch.append(self._checked_ids(item))
             else:
                 raise InvalidArgument("a prompt batch must hold only strings or only token lists")
-        if len({type(p.formatted_prompt) for p in batch}) > 1:
+        if len({type(p) for p in batch}) > 1:
             raise InvalidArgument("a prompt batch must hold only strings or only token lists")
         return batch
+
+    def encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """The token ids of every prompt, tokenized here and now (``frontend/offload.py`` has
+        the same off the event loop)."""
+        return [
+            p if isinstance(p, list) else self._tokenizer.encode(p.text, p.add_special_tokens)
+            for p in prompts
+        ]
+
+    def prepare(
+        self, prompts: Sequence[Prompt], token_ids: Sequence[list[int]], params: GenerationParams
+    ) -> list[Prepared]:
+        """One engine request per prompt, ``token_ids[i]`` being ``prompts[i]``'s tokens.
+        Checks the lengths against the context; raises InvalidArgument (HTTP 400)."""
+        return [
+            self._prepare(ids, p.text if isinstance(p, PromptText) else None, params)
+            for p, ids in zip(prompts, token_ids, strict=True)
+        ]
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        params: GenerationParams,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_raw_prompt: bool = False,
+    ) -> Prepared:
+        """Preprocess a chat completion (:meth:`chat_prompt`, tokenized inline)."""
+        prompt = self.chat_prompt(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            use_raw_prompt=use_raw_prompt,
+        )
+        return self.prepare([prompt], self.encode([prompt]), params)[0]
+
+    def completion(
+        self, prompt: CompletionPrompt, params: GenerationParams, *, add_special_tokens: bool = True
+    ) -> list[Prepared]:
+        """Preprocess a (legacy) completion (:meth:`completion_prompts`, tokenized inline)."""
+        prompts = self.completion_prompts(prompt, add_special_tokens=add_special_tokens)
+        return self.prepare(prompts, self.encode(prompts), params)
 
     def detokenizer(self, prepared: Prepared) -> IncrementalDetokenizer:
         """A fresh detokenizer for one choice of ``prepared`` (one per choice when n > 1)."""
@@ -215,9 +272,9 @@ class Preprocessor:
             skip_special_tokens=prepared.skip_special_tokens,
         )
 
-    def _encode_prompt(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _prompt_text(self, text: str, add_special_tokens: bool) -> PromptText:
         self._check_text_length(text)
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return PromptText(text, add_special_tokens)
 
     @property
     def max_prompt_chars(self) -> int | None:

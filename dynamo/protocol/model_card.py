@@ -61,3 +61,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     migration_limit: int = 0
     """How many times a request to this worker may be migrated to another instance when its
     stream fails (the worker's ``--migration-limit``; a frontend's own flag overrides it)."""
+    kv_events: bool = True
+    """The worker publishes KV events. False: explicitly disabled (vLLM's ``--no-kv-events``),
+    which a KV router that follows events counts in ``router_kv_event_source_mismatch_workers``
+    (the reference's runtime config ``kv_event_publishing_enabled``)."""

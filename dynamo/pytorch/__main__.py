@@ -67,7 +67,7 @@ def torch_engines(
 
     def register_metrics(worker: Worker) -> None:
         for engine, worker_id in zip(engines, worker.worker_ids, strict=True):
-            worker.metrics_registry.register(EngineCollector(engine, worker_id))
+            EngineCollector(worker.metrics_registry, engine, worker_id)
 
     spec = WorkerSpec(
         model_path=config.model_path,

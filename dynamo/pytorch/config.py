@@ -8,13 +8,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.engine_core.config import PREEMPTION_MODES, add_scheduler_flags
 from dynamo.protocol.model_card import WorkerRole
 from dynamo.runtime.config import add_flag
 
 DISAGGREGATION_MODES = tuple(role.value for role in WorkerRole)
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
-PREEMPTION_MODES = ("lifo", "fifo")
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -102,37 +102,7 @@ class TorchEngineConfig:
             type=parse_bytes,
             help="bytes of KV pool (e.g. 512MiB, 2GiB)",
         )
-        add_flag(
-            g, "--max-num-seqs", default=d.max_num_seqs, type=int, help="most running requests"
-        )
-        add_flag(
-            g,
-            "--max-num-batched-tokens",
-            default=d.max_num_batched_tokens,
-            type=int,
-            help="token budget of one forward pass",
-        )
-        add_flag(
-            g,
-            "--enable-prefix-caching",
-            default=d.enable_prefix_caching,
-            type=bool,
-            help="reuse cached prompt blocks",
-        )
-        add_flag(
-            g,
-            "--enable-chunked-prefill",
-            default=d.enable_chunked_prefill,
-            type=bool,
-            help="split long prompts over several passes",
-        )
-        add_flag(
-            g,
-            "--preemption-mode",
-            default=d.preemption_mode,
-            choices=PREEMPTION_MODES,
-            help="which running request to preempt under KV pressure (lifo = newest)",
-        )
+        add_scheduler_flags(g, d)
         add_flag(
             g,
             "--context-length",

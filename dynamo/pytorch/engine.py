@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine
+from dynamo.backend.engine import EngineConfig, GenerateContext, LLMEngine, RankMetrics
 from dynamo.backend.kv_transfer import ExportedBlocks, KVTransferAgent
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
@@ -31,6 +31,7 @@ from dynamo.pytorch.config import TorchEngineConfig
 from dynamo.pytorch.guided import decoder_for_model
 from dynamo.pytorch.kv_cache import KVBlocks, KVLayout, merge_head_shards
 from dynamo.pytorch.loader import LoadedModel, load_model
+from dynamo.pytorch.metrics import rank_metrics
 from dynamo.pytorch.sampler import (
     MAX_TOP_LOGPROBS,
     RequestSampler,
@@ -437,6 +438,9 @@ class TorchEngine(LLMEngine):
                 col.wake()
 
     # -- introspection (tests, metrics) ----------------------------------------------------------
+    def metrics_snapshot(self) -> list[RankMetrics]:
+        return rank_metrics(self)
+
     @property
     def stats(self) -> EngineStats | None:
         return self._thread.stats if self._thread is not None else None

@@ -1,15 +1,23 @@
 """The engine's metrics on the worker's status server (``/metrics``), read from the step
-loop's counters at scrape time. Names follow the reference's ``kvstats`` names
-(``dynamo_component_total_blocks``, ``..._gpu_cache_usage_percent``, ``..._kv_cache_hit_rate``)
-where they exist, ``dynamo_component_engine_*`` otherwise."""
+loop's counters at scrape time.
+
+The families every engine has (``dynamo_component_total_blocks``, ``..._gpu_cache_usage_percent``,
+``..._kv_cache_hit_rate``, ``..._num_requests_*``, the ``disagg``/``kv_transfer`` counters) come
+from :func:`rank_metrics`, the engine's ``metrics_snapshot()``, through the worker's
+``EngineGauges``, as for every other engine; :class:`EngineCollector` adds this engine's own
+step-loop counters (``dynamo_component_engine_*``) and the bytes a prefill worker sent.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from dynamo.backend.engine import DisaggCounters, RankMetrics
+from dynamo.observability.collector import ScrapeCollector, counter, gauge
 
 if TYPE_CHECKING:
     from dynamo.pytorch.engine import TorchEngine
@@ -17,62 +25,72 @@ if TYPE_CHECKING:
 PREFIX = "dynamo_component_"
 
 
-class EngineCollector(Collector):
-    def __init__(self, engine: TorchEngine, worker_id: int) -> None:
+def rank_metrics(engine: TorchEngine) -> list[RankMetrics]:
+    """The engine's one rank now (none before ``start()``): KV blocks, requests, the prefix hit
+    rate over all prompt tokens so far, and a disaggregated worker's transfer totals."""
+    stats, sched = engine.stats, engine.scheduler
+    if stats is None or sched is None:
+        return []
+    disagg = None
+    transfer = engine.transfer
+    if transfer is not None:
+        t = transfer.stats
+        prefill = engine.config.disaggregation_mode == "prefill"
+        disagg = DisaggCounters(
+            t.pulls_served if prefill else t.pulls, t.bytes_received, t.seconds_receiving
+        )
+    hit_rate = (
+        stats.num_cached_tokens / stats.num_prompt_tokens if stats.num_prompt_tokens else None
+    )
+    return [
+        RankMetrics(
+            dp_rank=0,
+            kv_total_blocks=sched.kv.num_blocks,
+            kv_used_blocks=sched.kv.num_active_blocks,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            prefix_cache_hit_rate=hit_rate,
+            disagg=disagg,
+        )
+    ]
+
+
+class EngineCollector(ScrapeCollector):
+    """The step loop's counters of one engine, labelled with its worker id (hex)."""
+
+    def __init__(self, registry: CollectorRegistry, engine: TorchEngine, worker_id: int) -> None:
         self._engine = engine
         self._labels = ["worker_id"]
         self._values = [f"{worker_id:x}"]
+        super().__init__(registry)
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats, sched = self._engine.stats, self._engine.scheduler
-        if stats is None or sched is None:
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats
+        if stats is None:
             return
-        kv = sched.kv
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=self._labels)
-            g.add_metric(self._values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=self._labels)
-            c.add_metric(self._values, value)
-            return c
-
-        yield gauge("total_blocks", "KV blocks in the pool", kv.num_blocks)
+        labels, values = self._labels, self._values
+        for name, doc, value in (
+            ("engine_steps", "forward passes run", stats.num_steps),
+            ("engine_step_seconds", "time spent in forward passes", stats.step_seconds),
+            ("engine_batched_requests", "sum of requests over passes", stats.num_batched_requests),
+            ("engine_batched_tokens", "sum of tokens over passes", stats.num_batched_tokens),
+            ("engine_output_tokens", "tokens generated", stats.num_output_tokens),
+            ("engine_preemptions", "requests preempted", stats.num_preemptions),
+        ):
+            yield counter(PREFIX + name, doc, labels, values, value)
         yield gauge(
-            "gpu_cache_usage_percent",
-            "fraction of KV blocks in use (0-1)",
-            kv.num_active_blocks / kv.num_blocks,
+            PREFIX + "engine_max_batch_requests",
+            "largest batch so far",
+            labels,
+            values,
+            stats.max_batch_requests,
         )
-        hit = stats.num_cached_tokens / stats.num_prompt_tokens if stats.num_prompt_tokens else 0.0
-        yield gauge("kv_cache_hit_rate", "prefix cache hit rate over prompt tokens (0-1)", hit)
-        yield gauge("engine_num_requests_running", "requests in the batch", sched.num_running)
-        yield gauge("engine_num_requests_waiting", "requests queued", sched.num_waiting)
-        yield counter("engine_steps", "forward passes run", stats.num_steps)
-        yield counter("engine_step_seconds", "time spent in forward passes", stats.step_seconds)
-        yield counter(
-            "engine_batched_requests", "sum of requests over passes", stats.num_batched_requests
-        )
-        yield counter(
-            "engine_batched_tokens", "sum of tokens over passes", stats.num_batched_tokens
-        )
-        yield counter("engine_output_tokens", "tokens generated", stats.num_output_tokens)
-        yield counter("engine_preemptions", "requests preempted", stats.num_preemptions)
-        yield gauge("engine_max_batch_requests", "largest batch so far", stats.max_batch_requests)
         transfer = self._engine.transfer
-        if transfer is not None:  # disaggregation (names as the mocker's, DISAGG_COUNTERS)
-            t = transfer.stats
-            handoffs = (
-                t.pulls_served if self._engine.config.disaggregation_mode == "prefill" else t.pulls
-            )
-            yield counter("disagg_handoffs", "remote prefills handed off or received", handoffs)
+        if transfer is not None:
             yield counter(
-                "kv_transfer_bytes", "KV bytes received from prefill workers", t.bytes_received
+                PREFIX + "kv_transfer_bytes_sent",
+                "KV bytes sent to decode workers",
+                labels,
+                values,
+                transfer.stats.bytes_sent,
             )
-            yield counter(
-                "kv_transfer_seconds",
-                "seconds receiving KV from prefill workers",
-                t.seconds_receiving,
-            )
-            yield counter("kv_transfer_bytes_sent", "KV bytes sent to decode workers", t.bytes_sent)

@@ -1,4 +1,4 @@
-"""Workers the KV router expects KV events from but cannot query (the reference's
+"""Workers the KV router expects KV events from but that cannot provide them (the reference's
 ``router_kv_event_source_mismatch_workers``).
 
 A KV router that follows KV events (``--router-use-kv-events``, the default) relies on each
@@ -8,12 +8,15 @@ an event gap, the first read of a worker that joins, and the cache-consistency c
 instance is not in discovery can publish events the router never repairs or checks: its share
 of the index silently decays, and cache-aware routing with it. The reference counts such
 workers per router; so do we, from the router's worker set and its ``kv_recovery`` client's
-live instances (both read from discovery, never assumed).
+live instances (both read from discovery, never assumed). As the reference does, a worker that
+explicitly disabled KV event publishing (its card's ``kv_events`` false: vLLM's
+``--no-kv-events``) counts too: the router would index nothing of its cache.
 
 A worker registers its card before it serves ``kv_recovery`` (the backend serves it once
-registered), so a worker counts only after ``GRACE_S`` without it, as in the reference. The
-router logs an error when a worker starts counting (again every ``REPEAT_S`` while it does) and
-an info line when it stops.
+registered), so a worker counts only after ``GRACE_S`` without it, as in the reference (one
+that disabled its events says so in its card: it counts at once). The router logs an error when
+a worker starts counting (again every ``REPEAT_S`` while it does) and an info line when it
+stops.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from dynamo.protocol.model_card import ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +60,23 @@ class EventSourceMonitor:
     _reported_at: dict[int, float] = field(default_factory=dict)
 
     def evaluate(
-        self, now: float, expected: Iterable[int], queryable: Collection[int]
+        self,
+        now: float,
+        expected: Iterable[int],
+        queryable: Collection[int],
+        silent: Collection[int] = (),
     ) -> SourceCheck:
         """``expected``: the workers the router expects KV events from; ``queryable``: those
-        with a live ``kv_recovery`` instance."""
+        with a live ``kv_recovery`` instance; ``silent``: those that disabled KV events."""
+        expected = set(expected)
         missing = {w for w in expected if w not in queryable}
         for worker in list(self._missing_since):
             if worker not in missing:
                 del self._missing_since[worker]
         for worker in missing:
             self._missing_since.setdefault(worker, now)
-        mismatched = sorted(w for w, t in self._missing_since.items() if now - t >= self.grace_s)
+        late = {w for w, t in self._missing_since.items() if now - t >= self.grace_s}
+        mismatched = sorted(late | (expected & set(silent)))
         matured = set(mismatched)
         recovered = sorted(w for w in self._reported_at if w not in matured)
         for worker in recovered:
@@ -80,20 +91,29 @@ class EventSourceMonitor:
 
     async def watch(
         self,
-        expected: Iterable[int],
+        expected: Mapping[int, ModelCard],
         queryable: Callable[[], Iterable[int]],
         publish: Callable[[int], None] | None,
     ) -> None:
-        """Evaluate until cancelled. ``expected``: a live view of the workers the router expects
-        KV events from (read anew each time); ``queryable()``: the workers with a live
-        ``kv_recovery`` instance. ``publish`` gets the count of mismatched workers (0 once
-        cancelled: a closed router expects nothing); reports are logged."""
+        """Evaluate until cancelled. ``expected``: a live view of the cards of the workers the
+        router expects KV events from (read anew each time); ``queryable()``: the workers with
+        a live ``kv_recovery`` instance. ``publish`` gets the count of mismatched workers (0
+        once cancelled: a closed router expects nothing); reports are logged."""
         try:
             while True:
-                check = self.evaluate(time.monotonic(), expected, set(queryable()))
+                disabled = {worker for worker, card in expected.items() if not card.kv_events}
+                check = self.evaluate(time.monotonic(), expected, set(queryable()), disabled)
                 if publish is not None:
                     publish(len(check.mismatched))
                 for worker in check.report:
+                    if worker in disabled:
+                        log.error(
+                            "KV event routing degraded for %r: worker %x publishes no KV events "
+                            "(disabled); the router indexes nothing of its cache",
+                            self.model,
+                            worker,
+                        )
+                        continue
                     log.error(
                         "KV event routing degraded for %r: worker %x has no kv_recovery "
                         "endpoint after %gs; its events cannot be recovered after a gap nor "

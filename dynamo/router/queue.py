@@ -173,7 +173,8 @@ class PendingQueue(Generic[T]):
     def drain(self, ready: Callable[[Held[T]], bool], release: Callable[[Held[T]], None]) -> int:
         """Release front requests, in order, while ``ready(front)``: each is taken out, then
         handed to ``release`` (which routes it, so the next ``ready`` sees its load). Stops at
-        the first front request that is not ready. Returns how many were released."""
+        the first front request that is not ready, even if a later one could go (head-of-line,
+        as the reference's ``SchedulerQueue::update``). Returns how many were released."""
         released = 0
         while (held := self.peek()) is not None and ready(held):
             self.pop()

@@ -21,6 +21,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 from dynamo.runtime.context import Context
+from dynamo.runtime.deferred_log import log_later
 from dynamo.runtime.discovery.base import Discovery
 from dynamo.runtime.discovery.follower import PrefixFollower
 from dynamo.runtime.endpoint import InstanceInfo, decode_instance
@@ -112,7 +113,14 @@ class EndpointClient:
             return False
         self._down.add(instance_id)
         self._refresh()
-        log.warning("instance %x of %s is down: out of routing", instance_id, self.endpoint_id)
+        # Written after the continuations of its streams have been sent (``log_later``).
+        log_later(
+            log,
+            logging.WARNING,
+            "instance %x of %s is down: out of routing",
+            instance_id,
+            self.endpoint_id,
+        )
         if self._probe_task is None:
             self._probe_task = asyncio.get_running_loop().create_task(
                 self._probe_down(), name=f"client-probe:{self.endpoint_id}"

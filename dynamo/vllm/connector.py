@@ -27,7 +27,7 @@ A handoff (the ``kv_transfer_params`` of vLLM's requests and outputs):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
+from dynamo.backend.kv_transfer import TransferStats
 from dynamo.vllm.kv_handoff import HOLD_TIMEOUT_S, HandoffWorker, Load
 from dynamo.vllm.paged_kv import PagedKV
 
@@ -70,7 +71,9 @@ class DynamoConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: dict[str, Load] = field(default_factory=dict)
 
 
-_STAT_KEYS = ("handoffs_loaded", "bytes_loaded", "seconds_loading", "handoffs_sent", "bytes_sent")
+# the transfer agent's own totals (``TransferStats``): pulls served are handoffs sent, pulls
+# made are loads
+_STAT_KEYS = tuple(f.name for f in fields(TransferStats))
 
 
 @dataclass
@@ -167,14 +170,7 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc]
         worker = self._worker
         if worker is None:
             return None
-        t = worker.totals
-        now = {
-            "handoffs_loaded": t.loaded,
-            "bytes_loaded": t.bytes_loaded,
-            "seconds_loading": t.seconds_loading,
-            "handoffs_sent": t.sent,
-            "bytes_sent": t.bytes_sent,
-        }
+        now: dict[str, float] = asdict(worker.stats)
         delta = {k: now[k] - self._reported[k] for k in _STAT_KEYS}
         self._reported = now
         stats = DynamoTransferStats(data=delta)

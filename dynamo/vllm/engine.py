@@ -137,6 +137,7 @@ class VllmEngine(LLMEngine):
                 frequency_penalty=True,
                 guided_decoding=True,
             ),
+            kv_events=self.kv_event_sink is not None,
         )
 
     async def generate(

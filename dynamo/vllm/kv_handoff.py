@@ -29,7 +29,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo.backend.kv_transfer import ExportedBlocks, KVTransferAgent
+from dynamo.backend.kv_transfer import ExportedBlocks, KVTransferAgent, TransferStats
 from dynamo.runtime.errors import InvalidArgument
 from dynamo.vllm.paged_kv import PagedKV
 
@@ -53,18 +53,6 @@ class Load:
     handle: str
     remote_ids: list[int]
     local_ids: list[int]
-
-
-@dataclass(slots=True)
-class TransferTotals:
-    """Since start: handoffs served and loaded, bytes each way, seconds spent loading."""
-
-    sent: int = 0
-    bytes_sent: int = 0
-    loaded: int = 0
-    bytes_loaded: int = 0
-    seconds_loading: float = 0.0
-    failed: int = 0
 
 
 @dataclass(slots=True)
@@ -97,7 +85,6 @@ class HandoffWorker:
         self.kv = kv
         self.host = host
         self.hold_timeout_s = hold_timeout_s
-        self.totals = TransferTotals()
         self._agent = KVTransferAgent(None, None, host=host, port=port)
         self._agent.serve_handles(self._export)
         self._lock = threading.Lock()
@@ -110,6 +97,12 @@ class HandoffWorker:
         )
         self._held_changed: asyncio.Condition | None = None
         self.port = 0
+
+    @property
+    def stats(self) -> TransferStats:
+        """The agent's running totals: pulls served (handoffs sent) and pulls made (loads),
+        bytes each way, seconds receiving. Written on the agent's loop; read from any thread."""
+        return self._agent.stats
 
     def start(self) -> int:
         self._thread.start()
@@ -187,8 +180,6 @@ class HandoffWorker:
         with self._lock:
             self._ended.append(handle)
             self._done.sent.add(handle)
-            self.totals.sent += 1
-            self.totals.bytes_sent += len(data)
         return ExportedBlocks(self.kv.layout, block_ids, [], data)
 
     def _has(self, handle: str) -> bool:
@@ -201,7 +192,6 @@ class HandoffWorker:
             return False
 
     async def _load(self, request_id: str, load: Load) -> None:
-        started = time.perf_counter()
         try:
             got = await self._agent.pull_from(
                 load.host, load.port, load.remote_ids, handle=load.handle
@@ -217,11 +207,7 @@ class HandoffWorker:
                 with self._lock:
                     self._done.failed.add(request_id)
                     self._done.received.add(request_id)
-                    self.totals.failed += 1
             return
         if load.local_ids:
             with self._lock:
                 self._done.received.add(request_id)
-                self.totals.loaded += 1
-                self.totals.bytes_loaded += len(got.data)
-                self.totals.seconds_loading += time.perf_counter() - started

@@ -42,8 +42,8 @@ class SchedulerGauges:
             self.prefix_hits += int(prefix.hits)
         transfers = getattr(stats, "kv_connector_stats", None)
         if transfers:
-            self.transfer_bytes += int(transfers.get("bytes_loaded", 0))
-            self.transfer_seconds += float(transfers.get("seconds_loading", 0.0))
+            self.transfer_bytes += int(transfers.get("bytes_received", 0))
+            self.transfer_seconds += float(transfers.get("seconds_receiving", 0.0))
 
     def snapshot(self, total_blocks: int, handoffs: int | None = None) -> list[RankMetrics]:
         """``handoffs``: a disaggregated engine's handoffs so far (None: aggregated)."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.runtime import DistributedRuntime
 from tests.e2e.processes import Child
 
 
@@ -16,6 +18,15 @@ def discovery_dir(tmp_path: Path) -> str:
     d = tmp_path / "discovery"
     d.mkdir()
     return str(d)
+
+
+@pytest.fixture
+async def runtime(discovery_dir: str) -> AsyncIterator[DistributedRuntime]:
+    """A client runtime on the test's file discovery (the processes' view of the world)."""
+    rt = DistributedRuntime(RuntimeConfig(discovery_backend="file", discovery_dir=discovery_dir))
+    await rt.start()
+    yield rt
+    await rt.shutdown()
 
 
 @pytest.fixture

@@ -53,6 +53,21 @@ def etcd_keys(etcd: EtcdServer, prefix: str) -> list[str]:
     return [base64.b64decode(kv["key"]).decode() for kv in kvs]
 
 
+def cached_tokens_of_repeats(port: int, prompt: str, times: int) -> list[int]:
+    """The cached prompt tokens of ``times`` completions of ``prompt``, one after another (each
+    after the KV events of the one before reached the router, over NATS)."""
+    cached: list[int] = []
+    for _ in range(times):
+        status, _, body = request(
+            port, "POST", "/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 2}
+        )
+        assert status == 200, body
+        usage = json.loads(body)["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        time.sleep(0.3)
+    return cached
+
+
 def test_kv_routing_over_etcd_and_nats_then_a_worker_dies(
     stack: Stack, etcd_server: EtcdServer, nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -76,18 +91,7 @@ def test_kv_routing_over_etcd_and_nats_then_a_worker_dies(
 
     # KV events reach the router through NATS: a repeated prompt goes where its blocks are.
     prompt = " ".join(f"word{i}" for i in range(300))
-    cached: list[int] = []
-    for _ in range(4):
-        status, _, body = request(
-            stack.port,
-            "POST",
-            "/v1/completions",
-            {"model": "demo", "prompt": prompt, "max_tokens": 2},
-        )
-        assert status == 200, body
-        usage = json.loads(body)["usage"]
-        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        time.sleep(0.3)  # the KV event of the last request reaches the router
+    cached = cached_tokens_of_repeats(stack.port, prompt, 4)
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
 
     # SIGKILL: no revoke, no goodbye. The lease expires and the frontend drops the instance.
@@ -117,16 +121,5 @@ def test_dynamo_serve_runs_the_whole_stack_on_etcd_and_nats(
     assert len(etcd_keys(etcd_server, "v1/instances/dynamo/backend/generate/")) == 2
     assert etcd_keys(etcd_server, "v1/mdc/dynamo/")
     prompt = " ".join(f"token{i}" for i in range(300))
-    cached: list[int] = []
-    for _ in range(3):
-        status, _, body = request(
-            stack.port,
-            "POST",
-            "/v1/completions",
-            {"model": "demo", "prompt": prompt, "max_tokens": 2},
-        )
-        assert status == 200, body
-        usage = json.loads(body)["usage"]
-        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        time.sleep(0.3)  # the KV event of the last request reaches the router through NATS
+    cached = cached_tokens_of_repeats(stack.port, prompt, 3)
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached

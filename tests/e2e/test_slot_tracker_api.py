@@ -2,108 +2,50 @@
 
 from __future__ import annotations
 
-import select
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.e2e.slot_tracker_process import SlotTracker
+
 LLAMA = "llama-3-8b"
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-class Tracker:
-    """``python -m dynamo.slot_tracker --port 0`` on loopback; ``url`` from its ready line."""
-
-    def __init__(self, *args: str) -> None:
-        self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.slot_tracker", "--host", "127.0.0.1", "--port", "0"]
-            + list(args),
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            bufsize=0,  # unbuffered: select() must see every line still unread
-        )
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 30
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if not line:
-                    err = self.stderr()
-                    self.stop()
-                    raise RuntimeError(f"slot tracker exited: {err}")
-                self.lines.append(line.strip())
-                if line.startswith("slot tracker listening on "):
-                    self.url = line.split()[-1]
-                    break
-            if time.monotonic() > deadline:
-                err = self.stderr()
-                self.stop()
-                raise RuntimeError(f"slot tracker did not start: {err}")
-        self.client = httpx.Client(base_url=self.url, timeout=10)
-
-    def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-4000:]
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return self.client.post(path, json=body)
-
-    def stop(self) -> int | None:
-        if hasattr(self, "client"):
-            self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="module")
-def tracker() -> Iterator[Tracker]:
-    t = Tracker()
+def tracker() -> Iterator[SlotTracker]:
+    t = SlotTracker()
     try:
         yield t
     finally:
         assert t.stop() == 0  # SIGTERM is a clean shutdown
 
 
-def register(t: Tracker, model: str, worker: int, **kw: Any) -> httpx.Response:
+def register(t: SlotTracker, model: str, worker: int, **kw: Any) -> httpx.Response:
     body = {"worker_id": worker, "model_name": model, "block_size": 16, "dp_start": 0}
     body |= {"dp_size": 1} | kw
     return t.post("/register", body)
 
 
-def add(t: Tracker, model: str, rid: str, worker: int, hashes: list[int], **kw: Any) -> int:
+def add(t: SlotTracker, model: str, rid: str, worker: int, hashes: list[int], **kw: Any) -> int:
     body = {"model_name": model, "request_id": rid, "worker_id": worker, "dp_rank": 0}
     resp = t.post("/add", body | {"sequence_hashes": hashes} | kw)
     return resp.status_code
 
 
-def loads(t: Tracker, **params: str) -> list[dict[str, Any]]:
+def loads(t: SlotTracker, **params: str) -> list[dict[str, Any]]:
     resp = t.client.get("/loads", params=params)
     assert resp.status_code == 200
     result: list[dict[str, Any]] = resp.json()
     return result
 
 
-def rank_load(t: Tracker, model: str, worker: int, rank: int = 0) -> tuple[int, int]:
+def rank_load(t: SlotTracker, model: str, worker: int, rank: int = 0) -> tuple[int, int]:
     for x in loads(t, model_name=model):
         if x["worker_id"] == worker and x["dp_rank"] == rank:
             return x["active_prefill_tokens"], x["active_decode_blocks"]
@@ -116,12 +58,12 @@ def assert_error(resp: httpx.Response, status: int) -> None:
     assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
 
 
-def test_health_is_200_with_empty_body(tracker: Tracker) -> None:
+def test_health_is_200_with_empty_body(tracker: SlotTracker) -> None:
     resp = tracker.client.get("/health")
     assert resp.status_code == 200 and resp.content == b""
 
 
-def test_spec_example_accounting_and_projection(tracker: Tracker) -> None:
+def test_spec_example_accounting_and_projection(tracker: SlotTracker) -> None:
     ok = {"status": "ok"}
     assert register(tracker, LLAMA, 7, dp_size=2).json() == ok
     # An earlier request shares two blocks and has finished its prefill.
@@ -183,7 +125,7 @@ def test_spec_example_accounting_and_projection(tracker: Tracker) -> None:
     assert resp.status_code == 200
 
 
-def test_block_identity_is_positional_as_measured_on_the_reference(tracker: Tracker) -> None:
+def test_block_identity_is_positional_as_measured_on_the_reference(tracker: SlotTracker) -> None:
     """FACTS §5.1: the reference's vectors, through the HTTP API."""
     model = "m-trie"
     assert register(tracker, model, 1).status_code == 201
@@ -204,7 +146,7 @@ def test_block_identity_is_positional_as_measured_on_the_reference(tracker: Trac
     assert rank_load(tracker, model, 1) == (0, 0)
 
 
-def test_free_releases_pending_prefill(tracker: Tracker) -> None:
+def test_free_releases_pending_prefill(tracker: SlotTracker) -> None:
     assert register(tracker, "m-prefill", 1).status_code == 201
     assert add(tracker, "m-prefill", "r", 1, [1, 2], new_isl_tokens=100) == 201
     assert rank_load(tracker, "m-prefill", 1) == (100, 2)
@@ -212,7 +154,7 @@ def test_free_releases_pending_prefill(tracker: Tracker) -> None:
     assert rank_load(tracker, "m-prefill", 1) == (0, 0)
 
 
-def test_add_defaults_and_empty_hashes(tracker: Tracker) -> None:
+def test_add_defaults_and_empty_hashes(tracker: SlotTracker) -> None:
     assert register(tracker, "m-defaults", 1).status_code == 201
     assert add(tracker, "m-defaults", "empty", 1, []) == 201  # new_isl_tokens defaults to 0
     assert rank_load(tracker, "m-defaults", 1) == (0, 0)
@@ -228,7 +170,7 @@ def test_add_defaults_and_empty_hashes(tracker: Tracker) -> None:
     ]
 
 
-def test_extreme_hashes_are_accepted_and_shared_prefixes_counted_once(tracker: Tracker) -> None:
+def test_extreme_hashes_are_accepted_and_shared_prefixes_counted_once(tracker: SlotTracker) -> None:
     model = "m-hashes"
     assert register(tracker, model, 1).status_code == 201
     extremes = [I64_MIN, I64_MAX, -1, 0]
@@ -256,7 +198,7 @@ def test_extreme_hashes_are_accepted_and_shared_prefixes_counted_once(tracker: T
     assert rank_load(tracker, model, 1) == (0, 3)
 
 
-def test_register_validation_and_scoping(tracker: Tracker) -> None:
+def test_register_validation_and_scoping(tracker: SlotTracker) -> None:
     model = "m-register"
     assert_error(register(tracker, model, 1, block_size=0), 400)
     assert_error(register(tracker, model, 1, dp_size=0), 400)
@@ -311,7 +253,7 @@ def test_register_validation_and_scoping(tracker: Tracker) -> None:
     assert ranks == [0, 2, 3]
 
 
-def test_unregister_removes_requests_and_empty_tracker(tracker: Tracker) -> None:
+def test_unregister_removes_requests_and_empty_tracker(tracker: SlotTracker) -> None:
     model = "m-unregister"
     assert register(tracker, model, 1).status_code == 201
     assert register(tracker, model, 2).status_code == 201
@@ -333,7 +275,7 @@ def test_unregister_removes_requests_and_empty_tracker(tracker: Tracker) -> None
     assert register(tracker, model, 5, block_size=64).status_code == 201  # new block size ok
 
 
-def test_lifecycle_not_found_and_conflicts(tracker: Tracker) -> None:
+def test_lifecycle_not_found_and_conflicts(tracker: SlotTracker) -> None:
     model = "m-lifecycle"
     assert register(tracker, model, 1, dp_size=2).status_code == 201
     assert add(tracker, model, "dup", 1, [1]) == 201
@@ -361,7 +303,7 @@ def test_lifecycle_not_found_and_conflicts(tracker: Tracker) -> None:
     )
 
 
-def test_error_statuses_and_bodies(tracker: Tracker) -> None:
+def test_error_statuses_and_bodies(tracker: SlotTracker) -> None:
     client = tracker.client
     json_header = {"content-type": "application/json"}
     assert_error(client.post("/register", content=b"{", headers=json_header), 400)
@@ -400,7 +342,7 @@ def test_error_statuses_and_bodies(tracker: Tracker) -> None:
     assert client.get("/health").status_code == 200
 
 
-def test_peer_routes_without_replica_sync(tracker: Tracker) -> None:
+def test_peer_routes_without_replica_sync(tracker: SlotTracker) -> None:
     assert tracker.client.get("/peers").json() == []
     assert_error(tracker.post("/register_peer", {"url": "tcp://127.0.0.1:5555"}), 409)
     assert_error(tracker.post("/deregister_peer", {"url": "tcp://127.0.0.1:5555"}), 409)

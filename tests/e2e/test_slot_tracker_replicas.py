@@ -2,60 +2,26 @@
 
 from __future__ import annotations
 
-import select
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
+
+from tests.e2e.slot_tracker_process import SlotTracker
 
 MODEL = "m"
 SELF_ADVERTISED = "tcp://slot-tracker-a.invalid:8092"
 
 
-class Tracker:
+class Tracker(SlotTracker):
     """A slot tracker with replica sync bound to an ephemeral loopback port."""
 
     def __init__(self, *args: str) -> None:
-        self._stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "dynamo.slot_tracker", "--host", "127.0.0.1", "--port", "0"]
-        cmd += ["--replica-sync-bind", "tcp://127.0.0.1:*", *args]
-        # Unbuffered: select() must see every line still unread.
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, bufsize=0)
-        assert self.proc.stdout is not None
-        self.endpoint = ""
-        deadline = time.monotonic() + 30
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if not line:
-                    err = self.stderr()
-                    self.stop()
-                    raise RuntimeError(f"slot tracker exited: {err}")
-                if line.startswith("replica sync bound at "):
-                    self.endpoint = line.split()[-1]
-                if line.startswith("slot tracker listening on "):
-                    self.url = line.split()[-1]
-                    break
-            if time.monotonic() > deadline:
-                err = self.stderr()
-                self.stop()
-                raise RuntimeError(f"slot tracker did not start: {err}")
+        super().__init__("--replica-sync-bind", "tcp://127.0.0.1:*", *args)
+        bound = self.line("replica sync bound at ")
+        self.endpoint = bound.split()[-1] if bound is not None else ""
         assert self.endpoint.startswith("tcp://127.0.0.1:")
-        self.client = httpx.Client(base_url=self.url, timeout=10)
-
-    def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-4000:]
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return self.client.post(path, json=body)
 
     def register(self, worker: int, model: str = MODEL, **kw: Any) -> None:
         body = {"worker_id": worker, "model_name": model, "block_size": 16, "dp_start": 0}
@@ -80,21 +46,6 @@ class Tracker:
     def peers(self) -> list[str]:
         result: list[str] = self.client.get("/peers").json()
         return result
-
-    def stop(self) -> int | None:
-        if hasattr(self, "client"):
-            self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
-        return self.proc.returncode
 
 
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -116,6 +116,10 @@ async def test_greedy_matches_transformers(stack: Stack, model_dir: Path) -> Non
     assert 0 < metrics["dynamo_component_kv_cache_hit_rate"] < 1
     assert metrics["dynamo_component_engine_output_tokens_total"] == 18 * 8
     assert metrics["dynamo_component_total_blocks"] == 256
+    assert metrics["dynamo_component_num_requests_running"] == 0
+    # each family once (the engine gauges are the worker's, not also the engine collector's)
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps))
 
 
 async def test_chat_with_seeded_choices(stack: Stack, tiny_dir: Path) -> None:

@@ -53,3 +53,15 @@ def test_a_native_module_that_is_not_built_falls_back(caplog: pytest.LogCaptureF
         module = native.load("dynamo.router._not_built", "dynamo.router._blocks_fallback")
     assert module.__name__ == "dynamo.router._blocks_fallback"
     assert "dynamo.router._not_built is not available" in caplog.text
+
+
+def test_a_stale_native_build_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    """A native module built from an older source (without a name the contract now has)."""
+    if not native.WANTED:
+        pytest.skip("DYN_NATIVE=0: the native module is never tried")
+    with caplog.at_level(logging.WARNING, logger="dynamo.native"):
+        module = native.load(
+            "dynamo.router._blocks_fallback", "dynamo.router._hash_fallback", requires=("nope",)
+        )
+    assert module.__name__ == "dynamo.router._hash_fallback"
+    assert "stale build" in caplog.text

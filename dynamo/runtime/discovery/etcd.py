@@ -19,6 +19,7 @@ import math
 import time
 
 from dynamo.runtime.discovery.base import KeyValue, Lease, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.client import DiscoveryClient
 from dynamo.runtime.discovery.etcd_gateway import EtcdError, EtcdGateway, EtcdKv
 from dynamo.runtime.discovery.watch import QueueWatch
 from dynamo.runtime.errors import CannotConnect, InvalidArgument
@@ -167,7 +168,7 @@ class EtcdWatch(QueueWatch):
         self._revision = revision
 
 
-class EtcdDiscovery:
+class EtcdDiscovery(DiscoveryClient[EtcdLease]):
     """:class:`~dynamo.runtime.discovery.base.Discovery` on an etcd cluster.
 
     ``close()`` revokes this client's leases (deleting their keys) and ends its watches.
@@ -176,13 +177,7 @@ class EtcdDiscovery:
     def __init__(self, endpoints: list[str] | None = None, *, timeout: float = 5.0) -> None:
         self.endpoints = endpoints or [DEFAULT_ETCD_ENDPOINT]
         self._gateway = EtcdGateway(self.endpoints, timeout=timeout)
-        self._leases: list[EtcdLease] = []
-        self._watches: list[QueueWatch] = []
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CannotConnect("etcd discovery is closed")
+        super().__init__("etcd discovery")
 
     async def grant_lease(self, ttl: float) -> EtcdLease:
         self._check_open()
@@ -224,21 +219,13 @@ class EtcdDiscovery:
     async def watch_prefix(self, prefix: str) -> EtcdWatch:
         self._check_open()
         kvs, revision = await self._gateway.range_prefix(prefix.encode())
-        watch = EtcdWatch(self._gateway, prefix, kvs, revision, self._unwatch)
+        watch = EtcdWatch(self._gateway, prefix, kvs, revision, self._forget_watch)
         self._watches.append(watch)
         return watch
-
-    def _unwatch(self, watch: QueueWatch) -> None:
-        if watch in self._watches:
-            self._watches.remove(watch)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for watch in list(self._watches):
-            await watch.close()
-        for lease in self._leases:
-            await lease.revoke()
-        self._leases.clear()
+        await self._release()
         await self._gateway.close()

@@ -15,6 +15,7 @@ import time
 import msgspec
 
 from dynamo.runtime.discovery.base import KeyValue, Lease, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.client import DiscoveryClient
 from dynamo.runtime.discovery.file_view import (
     DirView,
     LeaseInfo,
@@ -26,7 +27,7 @@ from dynamo.runtime.discovery.file_view import (
     unlink,
 )
 from dynamo.runtime.discovery.watch import QueueWatch
-from dynamo.runtime.errors import CannotConnect, InvalidArgument
+from dynamo.runtime.errors import InvalidArgument
 from dynamo.runtime.naming import new_instance_id
 
 _log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class FileLease:
             self._refreshed = time.monotonic()
 
 
-class FileDiscovery:
+class FileDiscovery(DiscoveryClient[FileLease]):
     """:class:`Discovery` over ``directory``, shared by the processes of one host.
 
     Watches poll the directory every ``poll_interval`` seconds (one scan per process, shared by
@@ -121,16 +122,10 @@ class FileDiscovery:
         self.directory = os.fspath(directory)
         self._view = DirView(self.directory)
         self._poll_interval = poll_interval
-        self._leases: list[FileLease] = []
-        self._watches: list[QueueWatch] = []
         self._visible: dict[str, LiveEntry] = {}
         self._poll_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CannotConnect(f"file discovery {self.directory} is closed")
+        super().__init__(f"file discovery {self.directory}")
 
     async def grant_lease(self, ttl: float) -> FileLease:
         self._check_open()
@@ -175,7 +170,7 @@ class FileDiscovery:
         self._check_open()
         self._poll_once()  # bring the shared view up to date (existing watches get the diff)
         snapshot = [self._visible[k].kv for k in sorted(self._visible) if k.startswith(prefix)]
-        watch = QueueWatch(prefix, snapshot, self._watches.remove)
+        watch = QueueWatch(prefix, snapshot, self._forget_watch)
         self._watches.append(watch)
         if self._poll_task is None:
             self._poll_task = asyncio.create_task(self._poll_loop(), name="file-discovery-poll")
@@ -215,8 +210,4 @@ class FileDiscovery:
         self._closed = True
         await _cancel_and_wait(self._poll_task)
         self._poll_task = None
-        for watch in list(self._watches):
-            await watch.close()
-        for lease in self._leases:
-            await lease.revoke()
-        self._leases.clear()
+        await self._release()

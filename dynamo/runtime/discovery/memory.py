@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynamo.runtime.discovery.base import KeyValue, Lease, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.client import DiscoveryClient
 from dynamo.runtime.discovery.watch import QueueWatch
-from dynamo.runtime.errors import CannotConnect, InvalidArgument
+from dynamo.runtime.errors import InvalidArgument
 from dynamo.runtime.naming import new_instance_id
 
 
@@ -178,7 +179,7 @@ class MemoryLease:
                 return
 
 
-class MemoryDiscovery:
+class MemoryDiscovery(DiscoveryClient[MemoryLease]):
     """One client ("process") of a :class:`MemoryStore`; owns its leases and watches.
 
     ``MemoryDiscovery()`` makes a private store; pass a shared ``store`` to let several clients
@@ -188,13 +189,7 @@ class MemoryDiscovery:
 
     def __init__(self, store: MemoryStore | None = None) -> None:
         self.store = store if store is not None else MemoryStore()
-        self._leases: list[MemoryLease] = []
-        self._watches: list[QueueWatch] = []
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CannotConnect("memory discovery is closed")
+        super().__init__("memory discovery")
 
     async def grant_lease(self, ttl: float) -> MemoryLease:
         self._check_open()
@@ -224,16 +219,8 @@ class MemoryDiscovery:
         self._watches.append(watch)
         return watch
 
-    def _forget_watch(self, watch: QueueWatch) -> None:
-        if watch in self._watches:
-            self._watches.remove(watch)
-
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for watch in list(self._watches):
-            await watch.close()
-        for lease in self._leases:
-            await lease.revoke()
-        self._leases.clear()
+        await self._release()

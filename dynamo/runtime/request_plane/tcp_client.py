@@ -63,9 +63,12 @@ class _ClientConnection(FrameWriter):
                 f"request of {size} bytes exceeds the maximum frame size {self.max_frame_size}"
             )
         self.streams[sid] = inbox
-        self.write(head)
-        if body:
-            self.write(body)
+        if self.client.batching:  # retries after a lost connection: they leave together
+            self.write(head)
+            if body:
+                self.write(body)
+        else:  # at once, when it is the first frame of this loop iteration
+            self.write_leading(head, body)
         return sid
 
     def send_control(self, kind: int, sid: int, arg: int) -> None:
@@ -136,6 +139,13 @@ class _ClientConnection(FrameWriter):
         streams, self.streams = self.streams, {}
         for inbox in streams.values():
             inbox.fail(type(reason)(reason.message))
+        if streams:
+            # Their consumers run next turn, in this order; those that retry elsewhere (request
+            # migration) queue their requests on other connections as they go. Those requests
+            # leave right after the last of them, together (a new instance batches what arrives
+            # together), instead of at the end of that turn, behind everything else it runs.
+            self.client.batching = True
+            self.loop.call_soon(self.client.flush_all)
 
 
 class _CancelForwarder(Context):
@@ -241,6 +251,9 @@ class TCPRequestPlaneClient:
         self._connecting: dict[str, asyncio.Future[None]] = {}
         self._all: set[_ClientConnection] = set()
         self._closed = False
+        # Set while the streams of a lost connection fail, until ``flush_all``: their retries
+        # are queued, not sent one by one (a new instance batches what arrives together).
+        self.batching = False
 
     def stream(
         self, address: str, endpoint_path: str, body: bytes, ctx: Context
@@ -307,6 +320,13 @@ class TCPRequestPlaneClient:
             await conn.closed
             raise CannotConnect("the request-plane client is closed")
         return conn
+
+    def flush_all(self) -> None:
+        """Send what every connection has queued, now rather than at its own flush (and end
+        the batch of retries that ``batching`` holds back)."""
+        self.batching = False
+        for conn in self._all:
+            conn.flush()
 
     def _forget(self, conn: _ClientConnection) -> None:
         pool = self._pools.get(conn.address)

@@ -1,6 +1,7 @@
 """One TCP connection of the request plane, either side: TCP_NODELAY, a reused receive buffer, a
 coalescing write buffer (frames produced during one loop iteration leave in one
-``transport.write``) and write-side flow control (``pause_writing`` / ``resume_writing``)."""
+``transport.write``; a new request's frame, when it is the first of its iteration, leaves at
+once) and write-side flow control (``pause_writing`` / ``resume_writing``)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,25 @@ class FrameWriter(asyncio.BufferedProtocol, ABC):
         elif not self._flush_pending:
             self._flush_pending = True
             self.loop.call_soon(self.flush)
+
+    def write_leading(self, head: bytes, body: bytes) -> None:
+        """Queue one frame (``head`` + ``body``) and, when it is the first frame of this loop
+        iteration, send it at once: a new request leaves while its sender goes on with its own
+        work (at low concurrency that work is on the request's latency path), and whatever is
+        queued later in the same iteration still leaves in one write, at its end."""
+        out = self._out
+        out.append(head)
+        self._out_size += len(head)
+        if body:
+            out.append(body)
+            self._out_size += len(body)
+        if self._flush_pending:
+            if self._out_size >= _FLUSH_BYTES:
+                self.flush()
+            return
+        self.flush()
+        self._flush_pending = True  # the rest of this iteration coalesces
+        self.loop.call_soon(self.flush)
 
     def write_data(self, stream_id: int, body: bytes) -> None:
         """Queue one Annotated data frame (the hot path)."""

@@ -1,12 +1,12 @@
-"""Engine gauges on the worker's /metrics: KV usage, running and waiting requests, prefix hit
-rate, read from any engine's ``metrics_snapshot()`` at every scrape (the mocker fills them)."""
+"""Engine gauges on the worker's metrics registry (what its status server's /metrics serves,
+``test_status_server.py``): KV usage, running and waiting requests, prefix hit rate, read from
+any engine's ``metrics_snapshot()`` at every scrape (the mocker fills them). No sockets."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,75 +73,76 @@ def request(tokens: list[int], max_tokens: int) -> PreprocessedRequest:
     )
 
 
+def scrape_text(worker: Worker) -> str:
+    """What a scrape of the worker's /metrics reads."""
+    return generate_latest(worker.metrics_registry).decode()
+
+
 @pytest.fixture
-async def mocker_worker() -> AsyncIterator[tuple[Worker, MockerEngine, str]]:
+async def mocker_worker() -> AsyncIterator[tuple[Worker, MockerEngine]]:
     engine = MockerEngine(
         MockerConfig(model_name="demo", num_gpu_blocks=1024, block_size=16, max_num_seqs=1)
     )
-    config = WorkerConfig(
-        runtime=RUNTIME, install_signal_handlers=False, system_host="127.0.0.1", system_port=0
-    )
+    config = WorkerConfig(runtime=RUNTIME, install_signal_handlers=False)
     worker = Worker(
         [engine], config, runtime=DistributedRuntime(RUNTIME, InProcessHub()), owns_runtime=True
     )
     task = asyncio.create_task(worker.run())
     try:
         await asyncio.wait_for(worker.ready.wait(), 10)
-        assert worker.status is not None
-        yield worker, engine, f"http://127.0.0.1:{worker.status.port}/metrics"
+        yield worker, engine
     finally:
         worker.request_shutdown()
         await asyncio.wait_for(task, 15)
 
 
 async def test_mocker_gauges_on_the_worker_metrics(
-    mocker_worker: tuple[Worker, MockerEngine, str],
+    mocker_worker: tuple[Worker, MockerEngine],
 ) -> None:
-    worker, engine, url = mocker_worker
+    worker, engine = mocker_worker
     key = (str(worker.worker_ids[0]), "0")
-    async with httpx.AsyncClient() as http:
 
-        async def scrape(name: str) -> float | None:
-            return samples((await http.get(url)).text, name).get(key)
+    async def scrape(name: str) -> float | None:
+        return samples(scrape_text(worker), name).get(key)
 
-        assert await scrape("dynamo_component_total_blocks") == 1024
-        assert await scrape("dynamo_component_gpu_cache_usage_percent") == 0.0
-        assert await scrape("dynamo_component_kv_cache_hit_rate") is None  # nothing measured
+    assert await scrape("dynamo_component_total_blocks") == 1024
+    assert await scrape("dynamo_component_gpu_cache_usage_percent") == 0.0
+    assert await scrape("dynamo_component_kv_cache_hit_rate") is None  # nothing measured
 
-        # max_num_seqs=1: one long request runs, the second waits.
-        prompt = list(range(1, 161))  # 10 blocks of 16
-        ctxs = [Context(), Context()]
+    # max_num_seqs=1: one long request runs, the second waits.
+    prompt = list(range(1, 161))  # 10 blocks of 16
+    ctxs = [Context(), Context()]
 
-        async def consume(ctx: Context) -> None:
-            async for _ in engine.generate(request(prompt, 2000), ctx):
-                pass
+    async def consume(ctx: Context) -> None:
+        async for _ in engine.generate(request(prompt, 2000), ctx):
+            pass
 
-        tasks = [asyncio.create_task(consume(ctx)) for ctx in ctxs]
-        async with asyncio.timeout(5):
-            while await scrape("dynamo_component_num_requests_running") != 1:
-                await asyncio.sleep(0.01)
-        assert await scrape("dynamo_component_num_requests_waiting") == 1
-        usage = await scrape("dynamo_component_gpu_cache_usage_percent")
-        assert usage is not None and usage >= 10 / 1024  # the running prompt's 10 blocks
-        async with asyncio.timeout(5):  # measured once the first prefill is done: a cold cache
-            while await scrape("dynamo_component_kv_cache_hit_rate") is None:
-                await asyncio.sleep(0.01)
-        assert await scrape("dynamo_component_kv_cache_hit_rate") == 0.0
-        for ctx in ctxs:
-            ctx.stop_generating()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-        async with asyncio.timeout(5):
-            while await scrape("dynamo_component_num_requests_running"):
-                await asyncio.sleep(0.01)
-        assert await scrape("dynamo_component_num_requests_waiting") == 0
+    tasks = [asyncio.create_task(consume(ctx)) for ctx in ctxs]
+    async with asyncio.timeout(5):
+        while await scrape("dynamo_component_num_requests_running") != 1:
+            await asyncio.sleep(0.01)
+    assert await scrape("dynamo_component_num_requests_waiting") == 1
+    usage = await scrape("dynamo_component_gpu_cache_usage_percent")
+    assert usage is not None and usage >= 10 / 1024  # the running prompt's 10 blocks
+    async with asyncio.timeout(5):  # measured once the first prefill is done: a cold cache
+        while await scrape("dynamo_component_kv_cache_hit_rate") is None:
+            await asyncio.sleep(0.01)
+    assert await scrape("dynamo_component_kv_cache_hit_rate") == 0.0
+    for ctx in ctxs:
+        ctx.stop_generating()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    async with asyncio.timeout(5):
+        while await scrape("dynamo_component_num_requests_running"):
+            await asyncio.sleep(0.01)
+    assert await scrape("dynamo_component_num_requests_waiting") == 0
 
-        # The same prompt again: its 10 full blocks come from the prefix cache.
-        outs = [out async for out in engine.generate(request(prompt, 2), Context())]
-        usage_out = outs[-1].usage
-        assert usage_out is not None and usage_out.cached_tokens
-        assert usage_out.cached_tokens >= 159  # the last prompt token is always computed
-        rate = await scrape("dynamo_component_kv_cache_hit_rate")
-        assert rate == pytest.approx((0 + usage_out.cached_tokens) / (160 + 160))
+    # The same prompt again: its 10 full blocks come from the prefix cache.
+    outs = [out async for out in engine.generate(request(prompt, 2), Context())]
+    usage_out = outs[-1].usage
+    assert usage_out is not None and usage_out.cached_tokens
+    assert usage_out.cached_tokens >= 159  # the last prompt token is always computed
+    rate = await scrape("dynamo_component_kv_cache_hit_rate")
+    assert rate == pytest.approx((0 + usage_out.cached_tokens) / (160 + 160))
 
 
 class SnapshotEngine(CountingEngine):
@@ -158,9 +159,7 @@ class BrokenSnapshot(CountingEngine):
 
 
 async def test_gauges_are_engine_generic_and_survive_a_failing_engine() -> None:
-    config = WorkerConfig(
-        runtime=RUNTIME, install_signal_handlers=False, system_host="127.0.0.1", system_port=0
-    )
+    config = WorkerConfig(runtime=RUNTIME, install_signal_handlers=False)
     worker = Worker(
         [SnapshotEngine(), BrokenSnapshot()],
         config,
@@ -170,13 +169,10 @@ async def test_gauges_are_engine_generic_and_survive_a_failing_engine() -> None:
     task = asyncio.create_task(worker.run())
     try:
         await asyncio.wait_for(worker.ready.wait(), 10)
-        assert worker.status is not None
-        async with httpx.AsyncClient() as http:
-            r = await http.get(f"http://127.0.0.1:{worker.status.port}/metrics")
-        assert r.status_code == 200
-        usage = samples(r.text, "dynamo_component_gpu_cache_usage_percent")
+        text = scrape_text(worker)  # the failing engine's gauges are left out, not the others'
+        usage = samples(text, "dynamo_component_gpu_cache_usage_percent")
         assert usage == {(str(worker.worker_ids[0]), "0"): 0.4}
-        assert 'model="test-model"' in r.text
+        assert 'model="test-model"' in text
     finally:
         worker.request_shutdown()
         await asyncio.wait_for(task, 15)

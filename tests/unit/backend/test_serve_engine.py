@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 import msgspec
 import pytest
 
+from dynamo.backend.engine import EngineConfig
 from dynamo.backend.health_check import HealthCheckConfig
 from dynamo.backend.kv_publisher import KVPublisher
 from dynamo.backend.serve_engine import (
@@ -49,6 +51,36 @@ async def test_engines_are_built_with_the_publisher_and_registered_with_their_ro
         cards = [msgspec.json.decode(kv.value, type=ModelCard) for kv in kvs]
         assert sorted(c.instance_id for c in cards) == sorted(worker.worker_ids)
         assert {(c.role, c.component) for c in cards} == {(WorkerRole.PREFILL, "prefill")}
+    finally:
+        worker.request_shutdown()
+        await asyncio.wait_for(task, 10)
+        await observer.shutdown()
+
+
+class SilentEngine(CountingEngine):
+    """An engine that publishes no KV events (as vLLM's ``--no-kv-events``)."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        return dataclasses.replace(await super().start(worker_id), kv_events=False)
+
+
+async def test_an_engine_without_kv_events_says_so_in_its_card() -> None:
+    hub = InProcessHub()
+    engines: list[CountingEngine] = [SilentEngine(), CountingEngine()]
+    spec = WorkerSpec(model_path="", num_engines=2)
+    worker = build_served_worker(
+        lambda publisher: engines.pop(0), spec, RUNTIME, hub=hub, install_signal_handlers=False
+    )
+    task = asyncio.create_task(worker.run())
+    observer = DistributedRuntime(RUNTIME, hub)
+    await observer.start()
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        kvs = await observer.discovery.get_prefix(model_cards_prefix("dynamo"))
+        cards = {
+            c.instance_id: c for c in (msgspec.json.decode(kv.value, type=ModelCard) for kv in kvs)
+        }
+        assert [cards[w].kv_events for w in worker.worker_ids] == [False, True]
     finally:
         worker.request_shutdown()
         await asyncio.wait_for(task, 10)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamo.engine_core._kv_fallback import KVManager as PyKVManager
 from dynamo.engine_core.kv_manager import KVManager
 from dynamo.protocol.kv_events import BlocksRemoved, BlocksStored, StoredBlock
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
@@ -133,7 +134,7 @@ def test_prefix_caching_off_has_no_hits_and_no_events() -> None:
 
 
 def test_check_invariants_detects_corruption() -> None:
-    kv = KVManager(2)
+    kv = PyKVManager(2)  # the Python twin's state is reachable to corrupt; the C table's is not
     seq, local = chain(list(range(4)))
     kv.use(seq, local)
     kv._inactive[seq[0]] = None  # corrupt: a block both active and inactive

@@ -26,7 +26,7 @@ from dynamo.protocol.request import PreprocessedRequest
 from dynamo.router.basic import Selection
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, ModelNotFound
-from tests.fakes import FakeExchange
+from tests.fakes import FakeExchange, make_card
 
 _MODEL = load_model_dir(demo_model_path())
 PRE = Preprocessor(_MODEL, served_model_name="demo")
@@ -37,17 +37,7 @@ _req_dec = msgspec.msgpack.Decoder(PreprocessedRequest)
 
 
 def card(instance_id: int) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path=str(demo_model_path()),
-        namespace="dynamo",
-        component="backend",
-        endpoint="generate",
-        instance_id=instance_id,
-        context_length=4096,
-        kv_block_size=16,
-        data_parallel_size=4,
-    )
+    return make_card(instance_id, model_path=str(demo_model_path()), data_parallel_size=4)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Load shedding's arithmetic (capacity from the cards, Retry-After from the drain rate, one
-release per ticket) and the preprocessing offload's bounded queue."""
+release per ticket), the preprocessing offload's bounded queue and where it tokenizes."""
 
 from __future__ import annotations
 
@@ -11,24 +11,16 @@ import pytest
 from dynamo.frontend.admission import MAX_RETRY_AFTER_S, Admission, Shed
 from dynamo.frontend.errors import to_http
 from dynamo.frontend.offload import Offload
+from dynamo.preprocess import Preprocessor, demo_model_path, load_model_dir
 from dynamo.protocol.model_card import ModelCard
 from dynamo.runtime.errors import Overloaded
+from tests.fakes import make_card
 
 pytestmark = pytest.mark.unit
 
 
 def card(max_num_seqs: int | None) -> ModelCard:
-    return ModelCard(
-        model_path="demo",
-        served_model_name="demo",
-        namespace="dynamo",
-        component="backend",
-        endpoint="generate",
-        instance_id=1,
-        context_length=4096,
-        kv_block_size=16,
-        max_num_seqs=max_num_seqs,
-    )
+    return make_card(1, model_path="demo", max_num_seqs=max_num_seqs)
 
 
 def test_capacity_is_factor_times_the_advertised_slots() -> None:
@@ -106,3 +98,20 @@ async def test_trim_memory_runs_on_the_pool_once_at_a_time() -> None:
     offload.close()
     offload.trim_memory()  # after close: nothing, no error
     assert offload.trims == 1
+
+
+async def test_encode_inline_alone_and_on_the_tokenizer_thread_when_busy() -> None:
+    pre = Preprocessor(load_model_dir(demo_model_path()), served_model_name="demo")
+    prompts = pre.completion_prompts(["hello world", "the end"])
+    ids_prompt = pre.completion_prompts([1, 2, 3])
+    offload = Offload(threads=1)
+    try:
+        inline = await offload.encode(pre, prompts, inline=True)
+        assert offload.tokenizer_thread.jobs == 0
+        assert await offload.encode(pre, prompts, inline=False) == inline == pre.encode(prompts)
+        assert offload.tokenizer_thread.jobs == 1
+        # token ids pass through without a trip to the thread
+        assert await offload.encode(pre, ids_prompt, inline=False) == [[1, 2, 3]]
+        assert offload.tokenizer_thread.jobs == 1
+    finally:
+        offload.close()

@@ -16,6 +16,7 @@ from dynamo.protocol.model_card import EngineCapabilities, ModelCard
 from dynamo.protocol.openai import ChatCompletionRequest, CompletionRequest
 from dynamo.protocol.request import GuidedDecodingOptions
 from dynamo.runtime.errors import InvalidArgument
+from tests.fakes import make_card
 
 NONE = EngineCapabilities()
 ALL = EngineCapabilities(
@@ -210,15 +211,14 @@ def test_timing_asked_either_way() -> None:
 
 
 def _card(instance_id: int, caps: EngineCapabilities) -> ModelCard:
-    return ModelCard(
+    return make_card(
+        instance_id,
         served_model_name="m",
         model_path="p",
         namespace="ns",
         component="c",
         endpoint="e",
-        instance_id=instance_id,
         context_length=64,
-        kv_block_size=16,
         capabilities=caps,
     )
 

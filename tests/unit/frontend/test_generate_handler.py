@@ -199,3 +199,22 @@ async def test_idle_stream_gets_keep_alive_comments() -> None:
     )
     assert text == TEXT6
     assert kit.requests_total() == {("success", ""): 1}
+
+
+async def test_concurrent_requests_tokenize_on_the_thread_with_the_same_result() -> None:
+    kit = make_kit()
+    alone = await kit.call(CHAT)  # nothing else in flight: tokenized inline
+    assert kit.handler.offload.tokenizer_thread.jobs == 0
+    calls = [kit.call(stream() if i % 2 else CHAT) for i in range(4)]
+    https = await asyncio.gather(*calls)
+    # the first of the four ran alone; the others found it in flight
+    assert kit.handler.offload.tokenizer_thread.jobs >= 1
+    prompts = {len(r.token_ids) for r in kit.worker.sent}
+    assert prompts == {alone.json()["usage"]["prompt_tokens"]}
+    for i, http in enumerate(https):
+        assert http.status == 200, http.text
+        if not i % 2:
+            assert http.json()["choices"][0]["message"]["content"] == TEXT6
+    assert kit.requests_total() == {("success", ""): 5}
+    kit.assert_routed_and_freed_once(n=5)
+    kit.handler.offload.close()

@@ -15,20 +15,17 @@ from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.errors import ModelNotFound, NoInstances
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime
+from tests.fakes import make_card
 
 EP = EndpointId("dynamo", "backend", "generate")
 
 
 def card(instance_id: int, checksum: str = "sha256:a", name: str = "m") -> ModelCard:
-    return ModelCard(
+    return make_card(
+        instance_id,
         served_model_name=name,
         model_path="/nowhere",
-        namespace="dynamo",
-        component="backend",
-        endpoint="generate",
-        instance_id=instance_id,
         context_length=100,
-        kv_block_size=16,
         tokenizer_checksum=checksum,
     )
 

@@ -340,5 +340,13 @@ async def test_debug_log_splits_each_time_to_first_token(caplog: pytest.LogCaptu
         assert float(fields["late_ms"]) == pytest.approx(0.0, abs=1e-3)
         assert fields["pass_prefill_tokens"] == fields["prompt_tokens"] == "1024"
         assert (fields["cached_tokens"], fields["decodes"]) == ("0", "0")
+        # And when that pass started, at once (a killed worker's pass in progress: when its
+        # streams' next token was due); the decode pass after it is not logged.
+        starts = [r.getMessage() for r in caplog.records if "prefill pass:" in r.getMessage()]
+        assert len(starts) == 1
+        fields = dict(kv.split("=") for kv in starts[0].split()[2:])
+        assert float(fields["pass_ms"]) == pytest.approx(prefill_ms(1024), rel=1e-3)
+        assert float(fields["ends_in_ms"]) == pytest.approx(prefill_ms(1024), rel=1e-3)
+        assert (fields["pass_prefill_tokens"], fields["decodes"]) == ("1024", "0")
     finally:
         await engine.cleanup()

@@ -110,6 +110,30 @@ def test_traceparent_round_trip(spans: SpanCapture) -> None:
     assert tracing.with_traceparent(request()).traceparent is None  # no current span
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        PARENT,
+        f"00-{TRACE_ID}-00f067aa0ba902b7-00",  # not sampled
+        f"00-{'0' * 32}-00f067aa0ba902b7-01",  # an all-zero trace id: invalid
+        f"00-{TRACE_ID}-{'0' * 16}-01",  # an all-zero span id: invalid
+        f"00-{TRACE_ID.upper()}-00F067AA0BA902B7-01",  # upper case: not W3C
+        f"ff-{TRACE_ID}-00f067aa0ba902b7-01",  # a forbidden version
+        f"01-{TRACE_ID}-00f067aa0ba902b7-01-future",  # a later version's extra field
+        f"00-{TRACE_ID}-00f067aa0ba902b7-01-extra",
+        "garbage",
+    ],
+)
+def test_parent_context_reads_what_the_w3c_propagator_reads(value: str) -> None:
+    """The fast path for our own ``traceparent`` agrees with the propagator on every value."""
+    from opentelemetry import trace
+
+    expected = trace.get_current_span(tracing._propagator.extract({"traceparent": value}))  # noqa: SLF001
+    got = trace.get_current_span(tracing.parent_context(value))
+    assert got.get_span_context() == expected.get_span_context()
+    assert got.get_span_context().is_remote == expected.get_span_context().is_remote
+
+
 def test_unknown_otlp_protocol_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ValueError, match="carrier-pigeon"):

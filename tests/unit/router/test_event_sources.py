@@ -1,7 +1,7 @@
-"""Workers the KV router expects KV events from but cannot query
+"""Workers the KV router expects KV events from but that cannot provide them
 (``router_kv_event_source_mismatch_workers``, issue 17): the pure evaluation, and a real KV
-router on an in-process runtime whose gauge follows a worker without ``kv_recovery`` joining and
-leaving."""
+router on an in-process runtime whose gauge follows a worker without ``kv_recovery`` (or with
+its KV events disabled) joining and leaving."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+from tests.fakes import make_card
 
 ENDPOINT = EndpointId("sources", "backend", "generate")
 GAUGE = "dynamo_component_router_kv_event_source_mismatch_workers"
@@ -60,16 +61,20 @@ def test_an_endpoint_served_within_the_grace_never_counts_and_a_departure_clears
     assert gone.mismatched == [] and gone.recovered == [7]
 
 
-def card(worker_id: int) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path="",
+def test_a_worker_without_kv_events_counts_at_once_whatever_it_serves() -> None:
+    monitor = EventSourceMonitor("demo", grace_s=10.0)
+    check = monitor.evaluate(0.0, [7, 8], {7, 8}, silent={8, 9})  # 9: not this router's
+    assert check.mismatched == check.report == [8]
+    assert monitor.evaluate(1.0, [7, 8], {7, 8}).recovered == [8]  # it publishes again
+
+
+def card(worker_id: int, kv_events: bool = True) -> ModelCard:
+    return make_card(
+        worker_id,
         namespace=ENDPOINT.namespace,
         component=ENDPOINT.component,
         endpoint=ENDPOINT.endpoint,
-        instance_id=worker_id,
-        context_length=4096,
-        kv_block_size=16,
+        kv_events=kv_events,
     )
 
 
@@ -119,6 +124,12 @@ async def test_router_counts_a_joined_worker_without_kv_recovery_until_it_leaves
         router.remove_worker(0x53)
         await until(registry, 0.0)
         router.add_worker(card(0x54))
+        await until(registry, 1.0)
+        router.remove_worker(0x54)
+        await until(registry, 0.0)
+        # A worker that serves kv_recovery but disabled its KV events (the reference counts it).
+        await publisher.serve_recovery(ENDPOINT, [0x55])
+        router.add_worker(card(0x55, kv_events=False))
         await until(registry, 1.0)
     finally:
         await router.close()

@@ -23,6 +23,7 @@ from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
+from tests.fakes import make_card
 from tests.servers import NatsServer
 
 BLOCK = 16
@@ -30,14 +31,11 @@ ENDPOINT = EndpointId("stored", "backend", "generate")
 
 
 def card(worker_id: int) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path="",
+    return make_card(
+        worker_id,
         namespace=ENDPOINT.namespace,
         component=ENDPOINT.component,
         endpoint=ENDPOINT.endpoint,
-        instance_id=worker_id,
-        context_length=4096,
         kv_block_size=BLOCK,
     )
 

@@ -14,8 +14,10 @@ from dynamo.protocol.request import PreprocessedRequest, RoutingHints
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.kv_router import KVRouter
 from dynamo.router.queue import PendingQueue, QueueFull, QueuePolicy, policy_key
+from dynamo.router.waiting import RouterQueue
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import Cancelled, Overloaded, ResponseTimeout
+from tests.fakes import make_card
 
 BS = 4
 CAPACITY = 16  # max_num_batched_tokens of every test worker
@@ -121,19 +123,20 @@ def test_drain_stops_at_the_first_request_that_is_not_ready() -> None:
     assert released == ["a", "b"] and q.items() == ["c"]
 
 
+def test_a_blocked_front_request_holds_back_later_ready_ones_as_in_the_reference() -> None:
+    """Head-of-line: the reference's ``SchedulerQueue::update`` stops at the first request whose
+    eligible workers are all busy (a pinned one, say), even when a later one could go."""
+    q: PendingQueue[str] = PendingQueue(clock=lambda: 0.0)
+    q.push("pinned-to-busy-worker")
+    q.push("any-worker")
+    released: list[str] = []
+    assert q.drain(lambda h: h.item == "any-worker", lambda h: released.append(h.item)) == 0
+    assert released == [] and q.items() == ["pinned-to-busy-worker", "any-worker"]
+
+
 # -- hold and release on capacity (the live router) -----------------------------------------
 def _card(worker_id: int, capacity: int | None = CAPACITY) -> ModelCard:
-    return ModelCard(
-        served_model_name="demo",
-        model_path="",
-        namespace="ns",
-        component="backend",
-        endpoint="generate",
-        instance_id=worker_id,
-        context_length=4096,
-        kv_block_size=BS,
-        max_num_batched_tokens=capacity,
-    )
+    return make_card(worker_id, namespace="ns", kv_block_size=BS, max_num_batched_tokens=capacity)
 
 
 def _router(threshold: float | None = 0.5, **settings: Any) -> KVRouter:
@@ -149,6 +152,18 @@ def _request(rid: str, tokens: int = 12, **hints: Any) -> PreprocessedRequest:
         request_id=rid,
         routing=routing,
     )
+
+
+def _one_busy_worker() -> tuple[KVRouter, list[ModelCard], RouterQueue]:
+    """A queueing router (threshold 0: any prefill in flight saturates a worker) with one
+    worker, busy with the request ``busy``: the next request is held."""
+    router = _router(threshold=0.0)
+    cards = [_card(1)]
+    router.add_worker(cards[0])
+    queue = router.queue
+    assert queue is not None
+    router.select(_request("busy"), cards)
+    return router, cards, queue
 
 
 async def test_held_while_every_worker_is_saturated_and_routed_when_prefill_completes() -> None:
@@ -176,12 +191,7 @@ async def test_held_while_every_worker_is_saturated_and_routed_when_prefill_comp
 
 
 async def test_released_in_policy_order_one_capacity_at_a_time() -> None:
-    router = _router(threshold=0.0)  # any prefill in flight saturates the one worker
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     order: list[str] = []
     waits = []
     for rid, hints in (
@@ -237,12 +247,7 @@ async def test_a_full_queue_refuses_and_a_new_worker_releases_the_held() -> None
 
 
 async def test_cancel_while_queued_removes_the_entry_and_holds_nothing() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("gone"), lambda: cards)
     assert held is not None
     ctx = Context()
@@ -257,12 +262,7 @@ async def test_cancel_while_queued_removes_the_entry_and_holds_nothing() -> None
 
 
 async def test_a_task_cancelled_after_its_release_frees_the_load_it_was_given() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("late"), lambda: cards)
     assert held is not None
     waiting = asyncio.ensure_future(queue.wait(held, Context(), 10))
@@ -276,12 +276,7 @@ async def test_a_task_cancelled_after_its_release_frees_the_load_it_was_given() 
 
 
 async def test_held_past_the_response_timeout_fails_as_a_response_timeout() -> None:
-    router = _router(threshold=0.0)
-    cards = [_card(1)]
-    router.add_worker(cards[0])
-    queue = router.queue
-    assert queue is not None
-    router.select(_request("busy"), cards)
+    router, cards, queue = _one_busy_worker()
     held = queue.hold(_request("slow"), lambda: cards)
     assert held is not None
     with pytest.raises(ResponseTimeout):

@@ -15,7 +15,7 @@ from dynamo.runtime.endpoint import InstanceInfo, encode_instance
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # real loopback sockets (the TCP request plane), one process
 
 EP = EndpointId("dynamo", "backend", "generate")
 CONFIG = RuntimeConfig(discovery_backend="memory", request_plane="tcp", event_plane="local")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.runtime.discovery.base import Discovery, KeyValue, Watch, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.base import Discovery, KeyValue, WatchEvent, WatchEventKind
 from dynamo.runtime.discovery.etcd import EtcdDiscovery
 from dynamo.runtime.discovery.file import FileDiscovery
 from dynamo.runtime.discovery.memory import MemoryDiscovery, MemoryStore
 from dynamo.runtime.errors import CannotConnect, InvalidArgument
+from tests.unit.runtime.discovery_kit import next_event, no_event
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
 
@@ -53,19 +54,6 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     yield b
     for disc in reversed(b.clients):
         await disc.close()
-
-
-async def next_event(watch: Watch, timeout: float = 5.0) -> WatchEvent:
-    async with asyncio.timeout(timeout):
-        return await anext(aiter(watch))
-
-
-async def no_event(watch: Watch, wait: float = 0.3) -> bool:
-    try:
-        await next_event(watch, timeout=wait)
-    except TimeoutError:
-        return True
-    return False
 
 
 async def test_put_get_get_prefix_delete(backend: Backend) -> None:

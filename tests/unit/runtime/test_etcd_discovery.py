@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-from dynamo.runtime.discovery.base import Watch, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.base import WatchEvent, WatchEventKind
 from dynamo.runtime.discovery.etcd import EtcdDiscovery
 from dynamo.runtime.discovery.etcd_gateway import prefix_range_end
 from tests.servers import EtcdServer
+from tests.unit.runtime.discovery_kit import next_event, no_event
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
-
-
-async def next_event(watch: Watch, timeout: float = 5.0) -> WatchEvent:
-    async with asyncio.timeout(timeout):
-        return await anext(aiter(watch))
-
-
-async def no_event(watch: Watch, wait: float = 0.3) -> bool:
-    try:
-        await next_event(watch, timeout=wait)
-    except TimeoutError:
-        return True
-    return False
 
 
 def test_prefix_range_end() -> None:

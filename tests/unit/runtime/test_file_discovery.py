@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo.runtime.discovery.base import KeyValue, Watch, WatchEvent, WatchEventKind
+from dynamo.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind
 from dynamo.runtime.discovery.file import FileDiscovery
 from dynamo.runtime.discovery.file_view import DirView, key_filename
 from dynamo.runtime.errors import CannotConnect, InvalidArgument
+from tests.unit.runtime.discovery_kit import next_event
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
 POLL = 0.02
@@ -34,11 +35,6 @@ async def peer(tmp_path: Path) -> AsyncIterator[FileDiscovery]:
     d = FileDiscovery(tmp_path, poll_interval=POLL)
     yield d
     await d.close()
-
-
-async def next_event(watch: Watch, timeout: float = 3.0) -> WatchEvent:
-    async with asyncio.timeout(timeout):
-        return await anext(aiter(watch))
 
 
 async def test_arbitrary_key_characters(disc: FileDiscovery, tmp_path: Path) -> None:

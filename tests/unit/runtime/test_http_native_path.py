@@ -15,6 +15,7 @@ import pytest
 
 from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.http_server import HttpProtocol, native_path
+from tests.fakes import FakeTransport
 
 LIMITS = HttpLimits(max_header_bytes=1024)
 MAX_BODY = 4096
@@ -54,21 +55,6 @@ class EchoApp:
 pytestmark = pytest.mark.skipif(
     native_path(EchoApp(), LIMITS, MAX_BODY) is None, reason="_http not built, or DYN_NATIVE=0"
 )
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def can_write_eof(self) -> bool:
-        return False
 
 
 def post(path: bytes, body: bytes, ctype: bytes = b"application/json", extra: bytes = b"") -> bytes:

@@ -24,6 +24,7 @@ from dynamo.runtime.request_plane.tcp import (
     TCPRequestPlaneServer,
     parse_address,
 )
+from dynamo.runtime.request_plane.tcp_connection import FrameWriter
 from tests.unit.runtime.plane_handlers import EP, Recorder
 
 
@@ -348,3 +349,41 @@ async def test_unread_socket_pauses_the_handler(server: TCPRequestPlaneServer) -
         writer.close()
         await writer.wait_closed()
     await wait_for(lambda: server.num_inflight() == 0)
+
+
+# -- write coalescing ---------------------------------------------------------------------------
+class _Transport:
+    """Records what a connection writes."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_a_new_request_leaves_at_once_and_the_rest_of_its_iteration_coalesces() -> None:
+    class Writer(FrameWriter):
+        def data_received(self, data: bytes) -> None:
+            pass
+
+    writer = Writer(asyncio.get_running_loop(), 1 << 20)
+    wire = _Transport()
+    writer.transport = wire  # type: ignore[assignment]
+    writer.write_leading(b"head1", b"body1")
+    assert wire.writes == [b"head1body1"]  # sent before the sender goes on
+    writer.write_leading(b"head2", b"")  # the same loop iteration: queued ...
+    writer.write(b"credit")
+    assert wire.writes == [b"head1body1"]
+    await asyncio.sleep(0)
+    assert wire.writes == [b"head1body1", b"head2credit"]  # ... and sent together at its end
+    writer.write(b"credit")  # a plain frame waits for the end of its iteration
+    writer.write_leading(b"head3", b"body3")
+    assert wire.writes == [b"head1body1", b"head2credit"]
+    await asyncio.sleep(0)
+    assert wire.writes[-1] == b"credithead3body3"
+    writer.write_leading(b"head4", b"body4")  # a new iteration: at once again
+    assert wire.writes[-1] == b"head4body4"

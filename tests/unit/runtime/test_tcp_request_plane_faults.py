@@ -19,6 +19,7 @@ from dynamo.runtime.errors import (
     InvalidArgument,
     StreamIncomplete,
 )
+from dynamo.runtime.request_plane import tcp_client
 from dynamo.runtime.request_plane.tcp import (
     TCPRequestPlaneClient,
     TCPRequestPlaneServer,
@@ -265,3 +266,69 @@ async def test_connection_stuck_before_a_whole_frame_is_closed(sent: bytes) -> N
         await wait_for(lambda: not srv._connections)
     finally:
         await srv.stop()
+
+
+async def test_retries_after_a_lost_connection_leave_together_before_other_work(
+    rec: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Request migration: the streams of a lost connection fail together and their consumers
+    # resend elsewhere in their next step. Those requests leave right after the last of them
+    # (one flush per connection), not after the rest of that turn of the loop.
+    servers = [TCPRequestPlaneServer("127.0.0.1", 0) for _ in range(2)]
+    for srv in servers:
+        srv.register(EP, rec.count)
+        srv.register("ns.comp.until_stopped", rec.until_stopped)
+        await srv.start()
+    lost, other = servers
+    client = TCPRequestPlaneClient()
+    seen: list[tuple[int, int]] = []  # (requests sent to the other server, bytes still queued)
+    original = tcp_client._ClientConnection.connection_lost
+
+    writes: list[int] = []  # sizes of the writes to the other server after the loss
+
+    class Recording:
+        def __init__(self, transport: asyncio.Transport) -> None:
+            self._transport = transport
+
+        def write(self, data: bytes) -> None:
+            writes.append(len(data))
+            self._transport.write(data)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._transport, name)
+
+    def connection_lost(conn: tcp_client._ClientConnection, exc: Exception | None) -> None:
+        original(conn, exc)
+        [to_other] = [c for c in client._all if c.address == other.address]
+        to_other.transport = Recording(to_other.transport)  # type: ignore[arg-type, assignment]
+        # Queued behind the failed streams' consumers, as other work of that turn would be.
+        conn.loop.call_soon(lambda: seen.append((len(to_other.streams), len(to_other._out))))
+
+    async def migrating(started: asyncio.Event) -> list[bytes]:
+        try:
+            async for _ in client.stream(lost.address, "ns.comp.until_stopped", b"", Context()):
+                started.set()
+        except StreamIncomplete:
+            return await collect(client.stream(other.address, EP, b"2", Context()))
+        raise AssertionError("the stream should have been cut")
+
+    try:
+        assert await collect(client.stream(other.address, EP, b"1", Context())) == [b"0"]
+        monkeypatch.setattr(tcp_client._ClientConnection, "connection_lost", connection_lost)
+        started = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(migrating(e)) for e in started]
+        async with asyncio.timeout(5):
+            for e in started:
+                await e.wait()
+        [conn] = lost._connections
+        assert conn.transport is not None
+        conn.transport.abort()  # as when the worker dies
+        async with asyncio.timeout(5):
+            results = await asyncio.gather(*tasks)
+        assert results == [[b"0", b"1"]] * 3
+        assert seen == [(3, 0)], "all three sent, and flushed before the next callback"
+        assert len(writes) == 1, "in one write (a lone request's frame would leave at once)"
+    finally:
+        await client.close()
+        for srv in servers:
+            await srv.stop()

@@ -18,6 +18,7 @@ from dynamo.slot_tracker.replica import (
     ReplicaSync,
     validate_endpoint,
 )
+from tests.fakes import FakeTransport
 
 KEY = ("m", "default")
 
@@ -93,21 +94,6 @@ def test_validate_endpoint() -> None:
     for bad in ("tcp://*:8092", "tcp://h:0", "tcp://h:70000", "tcp://h", "udp://h:1", "ipc://"):
         with pytest.raises(PeerError):
             validate_endpoint(bad)
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def can_write_eof(self) -> bool:
-        return False
 
 
 def connection() -> tuple[HttpProtocol, FakeTransport]:

@@ -59,7 +59,8 @@ def test_held_blocks_land_in_the_decode_sides_blocks(pair: tuple[HandoffWorker, 
         assert torch.equal(dst[0], src[2]) and torch.equal(dst[7], src[9])
     # the pull ended the handoff: vLLM may free the prefill side's blocks
     assert wait_finished(prefill) == ({"req-1"}, set(), set())
-    assert decode.totals.bytes_loaded == 2 * decode.kv.bytes_per_block
+    assert decode.stats.bytes_received == 2 * decode.kv.bytes_per_block
+    assert decode.stats.pulls == 1
     # a second pull of the same handoff finds nothing
     decode.load("d-2", Load("127.0.0.1", prefill.port, "req-1", [2], [1]))
     assert wait_finished(decode) == (set(), {"d-2"}, {"d-2"})

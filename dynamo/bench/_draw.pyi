@@ -1,0 +1,13 @@
+"""Type stub of the native module ``dynamo.bench._draw`` (source: ``_draw.c``; the same contract
+in Python: ``_draw_fallback.py``). Import through ``dynamo.bench.draw``."""
+
+import random
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+def choices(rng: random.Random, population: Sequence[T], k: int) -> list[T]:
+    """``rng.choices(population, k=k)``: ``k`` uniform draws with replacement, the same items
+    and the same draws from ``rng`` (one ``rng.random()`` per item; ``k`` <= 0: none).
+    IndexError for an empty population and ``k`` > 0."""

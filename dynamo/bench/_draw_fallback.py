@@ -1,0 +1,14 @@
+"""Pure-Python twin of ``dynamo.bench._draw`` (contract: ``_draw.pyi``), used where the extension
+is not built or ``DYN_NATIVE=0``. Import through ``dynamo.bench.draw``."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def choices(rng: random.Random, population: Sequence[T], k: int) -> list[T]:
+    return rng.choices(population, k=k)
