@@ -127,16 +127,38 @@ def dynamo_serving(python: Path, model: Path, port: int) -> Iterator[list[int]]:
 def _run_levels(
     pids: list[int], port: int, levels: list[int], scale: int
 ) -> dict[str, dict[str, float]]:
+    """Per level: the client's figures, and each server process's CPU ms per output token."""
     out: dict[str, dict[str, float]] = {}
+    procs = [p for pid in pids for p in _proc_tree(pid)]
     for c in levels:
         n = max(8, scale * c)
-        cpu0 = sum(_cpu_s(_proc_tree(pid)) for pid in pids)
+        cpu0 = {p: _cpu_s([p]) for p in procs}
         r = asyncio.run(drive(port, "bench", c, n))
-        cpu = sum(_cpu_s(_proc_tree(pid)) for pid in pids) - cpu0
-        r["server_cpu_s_per_1k_tokens"] = cpu / (OSL * n / 1000)
+        per_ms = {_proc_name(p): (_cpu_s([p]) - t0) * 1000 / (OSL * n) for p, t0 in cpu0.items()}
+        r["server_cpu_s_per_1k_tokens"] = sum(per_ms.values())
         out[f"c{c}"] = r
         print(f"  c={c}: {_fmt(r)}", flush=True)
+        # per process: vLLM's engine core and worker busy-wait (sched_yield) on their shared-memory
+        # queue for 1 s after each message, so their figure grows with idle cores; the rest
+        # (API server, or our worker + frontend) is the per-token cost the sides differ in
+        cpu_line = "  ".join(f"{k}={v:.2f}" for k, v in per_ms.items() if v >= 0.005)
+        print(f"    CPU ms per output token: {cpu_line}", flush=True)
+        out[f"c{c}_cpu_ms_per_token"] = per_ms
     return out
+
+
+def _proc_name(pid: int) -> str:
+    """A short name for a server process: vLLM's own title, else the module it runs."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    words = [a.decode(errors="replace") for a in argv if a]
+    if words and not words[0].endswith(("python", "python3")) and len(words) == 1:
+        return words[0]  # VLLM::EngineCore, VLLM::Worker (set by setproctitle)
+    if "-m" in words:
+        return words[words.index("-m") + 1].rsplit(".", 1)[-1]
+    return words[0].rsplit("/", 1)[-1] if words else str(pid)
 
 
 def main() -> None:
@@ -168,7 +190,7 @@ def main() -> None:
         with serving(vllm_cmd, _env(), port) as pids:
             theirs = _run_levels(pids, port, args.concurrency, args.requests_scale)
     results["dynamo"], results["vllm"] = ours, theirs
-    for level in ours:
+    for level in (f"c{c}" for c in args.concurrency):
         a, b = ours[level], theirs[level]
         ttft = a["ttft_p50_ms"] / b["ttft_p50_ms"] - 1
         tput = a["output_tokens_per_s"] / b["output_tokens_per_s"]
