@@ -104,13 +104,21 @@ def _encode(batch: list[_Job]) -> list[_Result]:
     ids: list[list[list[int]]] = [[[] for _ in job.prompts] for job in batch]
     errors: dict[int, Exception] = {}
     for (tokenizer_id, special), members in groups.items():
+        tokenizer = tokenizers[tokenizer_id]
         try:
-            encoded = tokenizers[tokenizer_id].encode_batch(
+            encoded = tokenizer.encode_batch(
                 [text for _, _, text in members], add_special_tokens=special
             )
-        except Exception as exc:  # the job's caller raises it
-            for j, _, _ in members:
-                errors[j] = exc
+        except Exception:
+            # One prompt the tokenizer refuses must not fail the others batched with it:
+            # encode them one by one, and only the refused prompt's job raises.
+            for j, p, text in members:
+                if j in errors:
+                    continue
+                try:
+                    ids[j][p] = tokenizer.encode(text, add_special_tokens=special)
+                except Exception as exc:  # the job's caller raises it
+                    errors[j] = exc
             continue
         for (j, p, _), token_ids in zip(members, encoded, strict=True):
             ids[j][p] = token_ids

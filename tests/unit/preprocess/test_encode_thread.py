@@ -37,6 +37,11 @@ class GatedTokenizer(Tokenizer):
             raise ValueError("poisoned text")
         return super().encode_batch(texts, add_special_tokens)
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if "poison" in text:
+            raise ValueError("poisoned text")
+        return super().encode(text, add_special_tokens)
+
 
 async def test_queued_prompts_are_one_batch_with_inline_ids(demo_model: ModelDir) -> None:
     base = demo_model.tokenizer
@@ -92,3 +97,26 @@ async def test_an_error_or_a_cancellation_stays_with_its_caller(demo_model: Mode
         thread.close()
     with pytest.raises(RuntimeError, match="closed"):
         await thread.encode(healthy, [PromptText("late", False)])
+
+
+async def test_a_refused_prompt_does_not_fail_the_prompts_batched_with_it(
+    demo_model: ModelDir,
+) -> None:
+    base = demo_model.tokenizer
+    tok = GatedTokenizer(base)
+    thread = EncodeThread()
+    try:
+        blocker = asyncio.ensure_future(thread.encode(tok, [PromptText("first", False)]))
+        await asyncio.to_thread(tok.entered.wait, 10)
+        # the same tokenizer and flag: one encode_batch call for both, which raises
+        poisoned = asyncio.ensure_future(thread.encode(tok, [PromptText("poison", False)]))
+        good = asyncio.ensure_future(thread.encode(tok, [PromptText("fine words", False)]))
+        await asyncio.sleep(0.05)
+        tok.gate.set()
+        assert await blocker == [base.encode("first")]
+        with pytest.raises(ValueError, match="poisoned"):
+            await poisoned
+        assert await good == [base.encode("fine words")]
+        assert tok.calls == [1, 2]  # batched together, then retried one by one
+    finally:
+        thread.close()
