@@ -167,6 +167,26 @@ async def test_cancellation_aborts_and_frees_vllm_blocks(
     )
 
 
+async def test_scheduler_gauges_are_the_only_prometheus_logger(
+    engine: tuple[VllmEngine, list[KVEventBatch]],
+) -> None:
+    """Our gauges see vLLM's scheduler reports (a running request, its blocks), and vLLM adds
+    no Prometheus logger of its own (its per-step metrics would go unserved)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    eng, _ = engine
+    llm: Any = eng._llm
+    prometheus = [
+        lg for lg in llm.logger_manager.stat_loggers if isinstance(lg, PrometheusStatLogger)
+    ]
+    assert len(prometheus) == 1 and type(prometheus[0]) is not PrometheusStatLogger
+    seen: list[Any] = []
+    async for out in eng.generate(request_for(list(range(7, 50)), 4, greedy=True), Context()):
+        if out.finish_reason is None:
+            seen.append(eng.metrics_snapshot()[0])
+    assert seen and all(m.num_running == 1 and m.kv_used_blocks >= 1 for m in seen), seen
+
+
 async def settled(batches: list[KVEventBatch]) -> None:
     """Until no KV event batch has arrived for 0.3 s (vLLM publishes each step's events at the
     end of the step; they cross a ZMQ socket)."""
