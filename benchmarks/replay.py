@@ -30,6 +30,7 @@ from dynamo.bench.config import BenchConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.run import prompt_builder, run_replay
+from dynamo.runtime.heap import settle_after_start
 
 ISL_PREFIX, ISL_SUFFIX, OSL, GROUPS, CONCURRENCY = 1024, 128, 32, 16, 32
 ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16, speedup_ratio=1.0)
@@ -130,6 +131,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     prompt_builder(None)  # the demo tokenizer's word pool: loaded once, not timed
+    settle_after_start()  # the collector as ``dynamo replay``'s process has it (dynamo.cli)
     runs = [(args.requests, args.workers)]
     if not args.skip_large:
         runs.append((args.large_requests, args.large_workers))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from dynamo.runtime.heap import settle_after_start
+
 COMMANDS = {
     "serve": "dynamo.serve",
     "frontend": "dynamo.frontend.__main__",
@@ -25,6 +27,11 @@ SUMMARY = {
     "plan": "cheapest deployments meeting a latency SLO (sweeps replays)",
 }
 
+SETTLE_FIRST = frozenset({"replay", "plan"})
+"""CPU-bound batch commands: their process gets a service's collector settings
+(``runtime.heap.settle_after_start``) once the command's modules are imported; the services
+settle themselves after their start-up."""
+
 USAGE = (
     "usage: dynamo {"
     + "|".join(COMMANDS)
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dynamo: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
     module = importlib.import_module(module_name)
+    if command in SETTLE_FIRST:
+        settle_after_start()
     result = module.main(rest)
     return int(result or 0)
 

@@ -31,6 +31,7 @@ from dynamo.frontend.disagg import Disaggregation
 from dynamo.frontend.errors import HTTPError
 from dynamo.frontend.exchange import ClientDisconnected, StreamSink
 from dynamo.frontend.generate import GenerateHandler
+from dynamo.frontend.idle import TaskDeadline
 from dynamo.frontend.idle_reaper import IdleReaper, Peer, parse_peer
 from dynamo.frontend.migration import MigrationPolicy
 from dynamo.frontend.model_registry import ModelEntry, ModelRegistry
@@ -132,7 +133,7 @@ class _RSGIExchange:
                         pass
             raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
         try:
-            async with asyncio.timeout(self._body_timeout_s):
+            with TaskDeadline(self._body_timeout_s):
                 return await self._read_body(declared, limit)
         except TimeoutError:
             raise HTTPError(408, "the request body was not received in time") from None

@@ -140,15 +140,15 @@ def route(
 ) -> Selection:
     """``router.select`` inside the request's ``route`` span (router mode, chosen worker, DP
     rank, overlap blocks, cost) and ``route`` stage metrics."""
-    mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
     with (
         metrics.stage("route") if metrics is not None else nullcontext(),
-        tracing.tracer().start_as_current_span(
-            "route", attributes={"router_mode": mode, "candidates": len(live)}
-        ) as span,
+        tracing.tracer().start_as_current_span("route") as span,
     ):
         selection = router.select(request, live)
-        _describe(span, selection)
+        if span.is_recording():  # a local span keeps no attributes: none are built for it
+            mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
+            span.set_attributes({"router_mode": mode, "candidates": len(live)})
+            _describe(span, selection)
     return selection
 
 

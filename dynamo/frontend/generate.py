@@ -21,7 +21,7 @@ from opentelemetry import context as otel_context
 
 from dynamo.frontend.admission import Admission
 from dynamo.frontend.attempt import Timeouts
-from dynamo.frontend.capabilities import check_supported, serving_capabilities
+from dynamo.frontend.capabilities import check_supported
 from dynamo.frontend.choice import run_choices
 from dynamo.frontend.disconnect import DISCONNECT_WATCH_AFTER_S, DisconnectWatch, watch_disconnect
 from dynamo.frontend.errors import HTTPError, to_http
@@ -172,11 +172,11 @@ class GenerateHandler:
                 entry = self._registry.get(req.model)
                 inflight.model = req.model
                 assert entry.pipeline is not None  # get() returns servable models only
-                cards = entry.cards_of(entry.serving_role())
-                check_supported(req, serving_capabilities(cards))
-                inflight.ticket = self.admission.admit(req.model, cards)
+                serving = entry.serving()
+                check_supported(req, serving.capabilities)
+                inflight.ticket = self.admission.admit(req.model, serving.cards)
                 preprocessor = entry.pipeline.preprocessor
-                inflight.worker_type = entry.serving_role().value
+                inflight.worker_type = serving.role.value
                 with (
                     self._m.stage("preprocess"),
                     tracing.tracer().start_as_current_span("preprocess") as span,

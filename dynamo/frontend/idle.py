@@ -1,13 +1,13 @@
 """A timer that fires after a period without activity, at the cost of a clock read per touch.
 
-Used for the per-attempt response timeouts, the lazy disconnect watch and SSE keep-alive
-comments: each wants "call me when nothing happened for N seconds" on a path that sees thousands
-of events per second, and a streamed request has three of them. None of them arms a loop timer of
-its own: every active timer of a loop is checked by one shared :class:`_Ticker` every
-:data:`RESOLUTION_S` while any is active (a uvloop timer armed and cancelled costs ~3 µs plus a
-deferred close per request and timer; a ticker check of a timer ~0.1 µs). So a timer fires up to
-one resolution after its deadline, never before it: fine for periods of a quarter second and
-more.
+Used for the per-attempt response timeouts, the lazy disconnect watch, SSE keep-alive comments
+and (:class:`TaskDeadline`) the request body's read deadline: each wants "call me when nothing
+happened for N seconds" on a path that sees thousands of events per second, and a streamed
+request has several of them. None of them arms a loop timer of its own: every active timer of a
+loop is checked by one shared :class:`_Ticker` every :data:`RESOLUTION_S` while any is active (a
+uvloop timer armed and cancelled costs ~3 µs plus a deferred close per request and timer; a
+ticker check of a timer ~0.1 µs). So a timer fires up to one resolution after its deadline,
+never before it: fine for periods of a quarter second and more.
 """
 
 from __future__ import annotations
@@ -59,6 +59,46 @@ class IdleTimer:
     def _fire(self) -> None:
         self._active = False
         self._on_idle()
+
+
+class TaskDeadline:
+    """``with TaskDeadline(period):`` as ``async with asyncio.timeout(period):`` (the block's
+    task is cancelled once ``period`` seconds pass, and the cancellation leaves the block as
+    ``TimeoutError``), checked by the shared ticker: up to :data:`RESOLUTION_S` late, never
+    early. ``asyncio.timeout`` arms and cancels a loop timer per use (~9 against ~3 µs of
+    thread CPU for this); for a deadline of seconds that every request passes (the body read).
+    Single owner: the task that enters it."""
+
+    __slots__ = ("_task", "_timer", "_cancelling", "expired")
+
+    def __init__(self, period: float) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("TaskDeadline must be used inside a task")
+        self._task = task
+        self._timer = IdleTimer(period, self._expire)
+        self._cancelling = 0
+        self.expired = False
+
+    def __enter__(self) -> TaskDeadline:
+        self._cancelling = self._task.cancelling()
+        self._timer.touch()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        self._timer.cancel()
+        if (
+            self.expired
+            and exc_type is asyncio.CancelledError
+            and self._task.uncancel() <= self._cancelling
+        ):
+            raise TimeoutError from exc  # as asyncio.timeout: the deadline's own cancellation
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._task.cancel()
 
 
 class _Ticker:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Generic, TypeVar
 
 import msgspec
 
+from dynamo.frontend.capabilities import serving_capabilities
 from dynamo.frontend.placement import InstanceStreams
-from dynamo.protocol.model_card import ModelCard, WorkerRole
+from dynamo.protocol.model_card import EngineCapabilities, ModelCard, WorkerRole
 from dynamo.router.basic import RoundRobinRouter, Router
 from dynamo.runtime.client import EndpointClient
 from dynamo.runtime.discovery.follower import PrefixFollower
@@ -45,6 +47,18 @@ async def _round_robin(card: ModelCard) -> Router:
     return RoundRobinRouter()
 
 
+@dataclass(frozen=True, slots=True)
+class ServingView:
+    """What a model's cards say about serving it, computed once per card change (see
+    :meth:`ModelEntry.serving`): the serving role, its cards (read-only), the smallest migration
+    limit they advertise and what every one of them honours."""
+
+    role: WorkerRole
+    cards: Sequence[ModelCard]
+    migration_limit: int
+    capabilities: EngineCapabilities | None
+
+
 @dataclass
 class ModelEntry(Generic[P]):
     """One model: its cards (one per worker instance), pipeline, routers and endpoint clients
@@ -53,15 +67,51 @@ class ModelEntry(Generic[P]):
     name: str
     checksum: str | None
     pipeline: P | None = None
-    cards: dict[int, ModelCard] = field(default_factory=dict)
+    cards: Mapping[int, ModelCard] = field(default_factory=dict)
+    """Read-only (a view): :meth:`put_card` and :meth:`drop_card` change it, so that the
+    serving view derived from it (role, cards, migration limit) is computed once per change,
+    not several times per request."""
     clients: dict[WorkerRole, EndpointClient] = field(default_factory=dict)
     routers: dict[WorkerRole, Router] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     streams: InstanceStreams = field(default_factory=InstanceStreams)
     """This frontend's streams per serving instance (continuations are placed by them)."""
 
+    _cards: dict[int, ModelCard] = field(init=False, repr=False)
+    _serving: ServingView | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._cards = dict(self.cards)
+        self.cards = MappingProxyType(self._cards)
+
+    def put_card(self, card: ModelCard) -> None:
+        """Add (or replace) the card of ``card.instance_id``."""
+        self._cards[card.instance_id] = card
+        self._serving = None
+
+    def drop_card(self, instance_id: int) -> ModelCard | None:
+        """Remove the card of ``instance_id``; returns it (None if there was none)."""
+        self._serving = None
+        return self._cards.pop(instance_id, None)
+
+    def serving(self) -> ServingView:
+        """The serving view of the current cards (cached until a card changes)."""
+        view = self._serving
+        if view is None:
+            cards = self._cards.values()
+            role = (
+                WorkerRole.DECODE
+                if any(c.role is WorkerRole.DECODE for c in cards)
+                else WorkerRole.AGGREGATED
+            )
+            serving = [c for c in cards if c.role is role]
+            limit = min(c.migration_limit for c in serving) if serving else 0
+            caps = serving_capabilities(serving)
+            view = self._serving = ServingView(role, tuple(serving), limit, caps)
+        return view
+
     def cards_of(self, role: WorkerRole) -> list[ModelCard]:
-        return [c for c in self.cards.values() if c.role is role]
+        return [c for c in self._cards.values() if c.role is role]
 
     def live_instance_ids(self, role: WorkerRole = WorkerRole.AGGREGATED) -> list[int]:
         """Instances of ``role`` that have a card *and* a live endpoint registration."""
@@ -69,13 +119,12 @@ class ModelEntry(Generic[P]):
         if client is None:
             return []
         live = client.instance_ids()
-        return [i for i in live if i in self.cards and self.cards[i].role is role]
+        cards = self._cards
+        return [i for i in live if i in cards and cards[i].role is role]
 
     def serving_role(self) -> WorkerRole:
         """Decode workers serve a disaggregated model; aggregated workers otherwise."""
-        if any(c.role is WorkerRole.DECODE for c in self.cards.values()):
-            return WorkerRole.DECODE
-        return WorkerRole.AGGREGATED
+        return self.serving().role
 
     def report_down(self, instance_id: int) -> None:
         """Instant failover: ``instance_id`` failed a stream; take it out of routing at once
@@ -95,13 +144,12 @@ class ModelEntry(Generic[P]):
     def migration_limit(self) -> int:
         """What the model's serving workers advertise: the smallest of their limits (a request
         may be migrated only as often as every worker it can land on agrees to)."""
-        limits = [c.migration_limit for c in self.cards_of(self.serving_role())]
-        return min(limits) if limits else 0
+        return self.serving().migration_limit
 
     @property
     def router(self) -> Router:
         """The router of the serving role (NoInstances when it has no worker)."""
-        router = self.routers.get(self.serving_role())
+        router = self.routers.get(self.serving().role)
         if router is None:
             raise NoInstances(f"Model temporarily unavailable: {self.name!r} has no live instance")
         return router
@@ -204,7 +252,7 @@ class ModelRegistry(Generic[P]):
                 self._models[entry.name] = entry
                 self._retired.pop(entry.name, None)
                 log.info("model %r is now served", entry.name)
-            entry.cards[card.instance_id] = card
+            entry.put_card(card)
             entry.routers[card.role].add_worker(card)
             self._keys[key] = (entry.name, card.instance_id)
         if self._on_change is not None:
@@ -219,7 +267,7 @@ class ModelRegistry(Generic[P]):
             entry = self._models.get(name)
             if entry is None:
                 return
-            card = entry.cards.pop(instance_id, None)
+            card = entry.drop_card(instance_id)
             if card is not None:
                 router = entry.routers.get(card.role)
                 if router is not None:

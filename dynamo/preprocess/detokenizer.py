@@ -10,7 +10,7 @@ import codecs
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, cast
 
-from dynamo.preprocess.stop_strings import StopStrings
+from dynamo.preprocess.stop_strings import NO_STOPS, StopStrings
 from dynamo.preprocess.tokenizer import Tokenizer
 from dynamo.protocol.output import FinishReason
 
@@ -161,7 +161,7 @@ class IncrementalDetokenizer:
         if not ignore_eos:
             stop_ids.update(eos_token_ids)
         self._stop_ids = frozenset(stop_ids)
-        self._stops = StopStrings(stop)
+        self._stops = StopStrings(stop) if stop else NO_STOPS  # most requests have none
         self._has_stops = bool(self._stops)  # a plain attribute: checked on every add()
         self._min_tokens = min_tokens
         self._num_tokens = 0

@@ -78,3 +78,7 @@ class StopStrings:
                     break
                 pos = text.find(first, pos + 1)
         return hold
+
+
+NO_STOPS = StopStrings(())
+"""The empty set of stop strings (shared: a ``StopStrings`` is immutable)."""

@@ -31,6 +31,7 @@ from dynamo.replay.deployment import Deployment
 from dynamo.replay.run import ReplayResult, run_replay
 from dynamo.router.config import KVRouterSettings
 from dynamo.runtime.config import add_flag
+from dynamo.runtime.heap import settle_after_start
 
 PROG = "dynamo replay"
 
@@ -153,4 +154,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    settle_after_start()  # the process's collector, as ``dynamo.cli`` sets it for this command
     sys.exit(main())

@@ -34,6 +34,7 @@ from dynamo.replay.__main__ import deployment as base_deployment
 from dynamo.replay.deployment import ROUTER_MODES, Deployment
 from dynamo.replay.run import run_replay
 from dynamo.runtime.config import add_flag
+from dynamo.runtime.heap import settle_after_start
 
 PROG = "dynamo plan"
 PERCENTILES = ("p50", "p90", "p99", "mean", "max")
@@ -337,4 +338,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    settle_after_start()  # the process's collector, as ``dynamo.cli`` sets it for this command
     sys.exit(main())

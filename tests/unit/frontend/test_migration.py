@@ -124,7 +124,8 @@ async def test_the_limit_bounds_the_attempts() -> None:
     kit = kit_with(Script(fail=StreamIncomplete("cut"), fail_after=1), limit=2)
     kit.worker.ids = [1, 2, 3, 4]
     entry = kit.handler._registry.get("demo")  # type: ignore[attr-defined]
-    entry.cards.update({3: card(3), 4: card(4)})
+    entry.put_card(card(3))
+    entry.put_card(card(4))
     http = await kit.call(STREAM)
     assert "event: error" in http.text
     assert len(kit.worker.sent) == 3, "the first attempt and two migrations"
@@ -177,9 +178,9 @@ async def test_a_cancelled_request_is_not_migrated() -> None:
 async def test_guided_decoding_is_not_migrated() -> None:
     kit = kit_with(Script(fail=StreamIncomplete("cut"), fail_after=2))
     entry = kit.handler._registry.get("demo")  # type: ignore[attr-defined]
-    for iid, c in list(entry.cards.items()):
-        entry.cards[iid] = msgspec.structs.replace(
-            c, capabilities=EngineCapabilities(guided_decoding=True)
+    for c in list(entry.cards.values()):
+        entry.put_card(
+            msgspec.structs.replace(c, capabilities=EngineCapabilities(guided_decoding=True))
         )
     http = await kit.call({**STREAM, "nvext": {"guided_regex": "[a-z]+"}})
     assert http.status == 200, http.text

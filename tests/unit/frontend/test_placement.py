@@ -104,7 +104,7 @@ async def test_a_migrated_stream_avoids_the_instance_prefilling() -> None:
     kit = kit_with(Script(fail=StreamIncomplete("cut"), fail_after=3, failing_streams=1))
     kit.worker.ids = [1, 2, 3]
     entry = kit.handler._registry.get("demo")  # type: ignore[attr-defined]
-    entry.cards[3] = card(3)
+    entry.put_card(card(3))
     # Other requests: a prefill pending on 3, two streams decoding on 2 (by streams alone, and
     # by the router's order, the continuation would go to 3).
     entry.streams.dispatched(3, new_request=True)

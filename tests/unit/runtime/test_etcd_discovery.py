@@ -26,7 +26,9 @@ async def test_etcd_restart_resumes_watches_without_loss_or_duplicates(
 ) -> None:
     worker, frontend = EtcdDiscovery([etcd_server.endpoint]), EtcdDiscovery([etcd_server.endpoint])
     try:
-        lease = await worker.grant_lease(3.0)
+        # The lease must outlive the restart (stop + start of etcd takes seconds on a loaded
+        # machine): a lease that expired meanwhile is a different scenario.
+        lease = await worker.grant_lease(8.0)
         await worker.put("v1/instances/w1", b"1", lease)
         watch = await frontend.watch_prefix("v1/instances/")
         assert [kv.key for kv in watch.snapshot] == ["v1/instances/w1"]
