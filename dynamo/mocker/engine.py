@@ -22,6 +22,7 @@ from dynamo.backend.engine import (
     RankMetrics,
 )
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
+from dynamo.mocker import pass_log
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
 from dynamo.mocker.simulator import MockerScheduler, StepOutput
@@ -33,7 +34,6 @@ from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.runtime.context import Context
-from dynamo.runtime.deferred_log import log_later
 from dynamo.runtime.errors import DynamoError, EngineShutdown, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class MockerEngine(LLMEngine):
                     await self._idle_until(rank, sched.next_ready_at())
                     continue
                 if out.num_prefill_tokens and log.isEnabledFor(logging.DEBUG):
-                    _log_prefill_pass(out, self.clock.now())
+                    pass_log.prefill_pass(out, self.clock.now())
                 hand_out = False  # let consumers take the tokens right after this pass
                 if out.duration > 0:  # the pass ends at start + duration, whatever step() cost
                     previous_end = out.start + out.duration
@@ -336,7 +336,7 @@ class MockerEngine(LLMEngine):
             if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
                 rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
                 if trace_first:
-                    _log_first_token(seq, out, self.clock.now())
+                    pass_log.first_token(seq, out, self.clock.now())
                 if seq.handoff is not None:  # a received prompt: the modelled transfer
                     isl = seq.num_prompt_tokens
                     rank.disagg.handoffs += 1
@@ -447,43 +447,6 @@ async def _let_tokens_leave() -> None:
     connection flushes what one loop iteration queued at the end of it, ``tcp_connection.py``)."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-
-
-def _log_prefill_pass(out: StepOutput, now: float) -> None:
-    """A pass with prefill work starts (debug; the fault benchmark reads it to know when the
-    next token of a killed worker's streams was due: at the end of such a pass in progress).
-    Written at once, not later: the worker may be killed before the pass ends."""
-    log.debug(
-        "prefill pass: ends_in_ms=%.3f pass_ms=%.3f pass_prefill_tokens=%d decodes=%d",
-        (out.start + out.duration - now) * 1000,
-        out.duration * 1000,
-        out.num_prefill_tokens,
-        out.num_decodes,
-    )
-
-
-def _log_first_token(seq: Sequence, out: StepOutput, now: float) -> None:
-    """Where a request's time to first token went on this worker (debug; the fault benchmark
-    reads it to split a migration's gap): waiting for the pass in progress, the modelled pass
-    that produced the token, and how late the loop delivered it (CPU starvation). Written once
-    the pass's tokens have left (``log_later``): the measurement must not delay what it
-    measures."""
-    end = out.start + out.duration
-    log_later(
-        log,
-        logging.DEBUG,
-        "first token of %s: queued_ms=%.3f pass_ms=%.3f late_ms=%.3f pass_prefill_tokens=%d "
-        "prompt_tokens=%d cached_tokens=%d decodes=%d",
-        seq.request_id,
-        (out.start - seq.arrival) * 1000,
-        out.duration * 1000,
-        (now - end) * 1000,
-        out.num_prefill_tokens,
-        seq.num_prompt_tokens,
-        seq.num_cached_tokens or 0,
-        out.num_decodes,
-        turns=3,
-    )
 
 
 def _terminal(

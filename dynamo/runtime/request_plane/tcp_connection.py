@@ -76,19 +76,13 @@ class FrameWriter(asyncio.BufferedProtocol, ABC):
         iteration, send it at once: a new request leaves while its sender goes on with its own
         work (at low concurrency that work is on the request's latency path), and whatever is
         queued later in the same iteration still leaves in one write, at its end."""
-        out = self._out
-        out.append(head)
-        self._out_size += len(head)
+        leading = not self._flush_pending
+        self.write(head)
         if body:
-            out.append(body)
-            self._out_size += len(body)
-        if self._flush_pending:
-            if self._out_size >= _FLUSH_BYTES:
-                self.flush()
-            return
-        self.flush()
-        self._flush_pending = True  # the rest of this iteration coalesces
-        self.loop.call_soon(self.flush)
+            self.write(body)
+        if leading and self._flush_pending:  # (not pending: write() sent it all already)
+            self.flush()
+            self._flush_pending = True  # write() scheduled a flush: the rest coalesces into it
 
     def write_data(self, stream_id: int, body: bytes) -> None:
         """Queue one Annotated data frame (the hot path)."""
