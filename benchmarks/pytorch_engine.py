@@ -54,18 +54,35 @@ ISL, OSL = 128, 64
 VOCAB = 4096
 
 
-def build_model(root: Path) -> Path:
+# Model shapes (random Llama weights): ``tiny`` is the CPU benchmark's; ``1b`` is a Llama-3.2-1B-
+# like shape (hidden 2048, 16 layers, 32 / 8 heads) for a GPU, where the tiny one measures only
+# per-pass overhead.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+}
+
+
+def build_model(root: Path, size: str = "tiny") -> Path:
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
         max_position_embeddings=1024,
         initializer_range=0.1,
+        **SIZES[size],
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -92,12 +109,16 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(10, VOCAB, (ISL,), generator=g).tolist() for _ in range(n)]
 
 
-async def bench_engine(model: Path, concurrency: int, num_requests: int) -> dict[str, float]:
+async def bench_engine(
+    model: Path, concurrency: int, num_requests: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, float]:
     engine = TorchEngine(
         TorchEngineConfig(
             model_path=str(model),
+            device=device,
+            dtype=dtype,
             block_size=16,
-            num_gpu_blocks_override=(ISL + OSL) // 16 * 40,
+            num_gpu_blocks_override=(ISL + OSL) // 16 * max(40, concurrency + 8),
             max_num_batched_tokens=2048,
             enable_prefix_caching=False,  # random prompts; measure compute, not cache hits
         )
@@ -147,10 +168,14 @@ async def bench_engine(model: Path, concurrency: int, num_requests: int) -> dict
     }
 
 
-def bench_transformers(model_dir: Path, num_requests: int) -> dict[str, float]:
+def bench_transformers(
+    model_dir: Path, num_requests: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, float]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)
+    ).to(device)
     model.eval()
     model.generation_config.eos_token_id = None
 
@@ -158,13 +183,15 @@ def bench_transformers(model_dir: Path, num_requests: int) -> dict[str, float]:
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([tokens]),
+                torch.tensor([tokens], device=device),
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
             )
         assert out.shape[1] == len(tokens) + n
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     generate(prompts(1, 99)[0], 4)  # warm-up
@@ -374,21 +401,35 @@ def main() -> None:
         help="dynamo: frontend and engine in one process; dynamo-processes: `dynamo serve`'s "
         "default layout, frontend and worker processes (TCP request plane); vllm",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the engine and transformers run (the servers' comparison is CPU only)",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape")
     args = parser.parse_args()
+    if args.device != "cpu" and (args.servers or args.servers_only):
+        parser.error("--servers compares against vLLM's CPU build: run it with --device cpu")
     torch.set_num_threads(1)
     results: dict[str, object] = {
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "isl": ISL,
         "osl": OSL,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "size": args.size,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "tiny-llama-256x4")
+        model = build_model(Path(tmp) / f"llama-{args.size}", args.size)
         # The machine is shared and noisy: transformers is measured right before each level,
         # and each level's speedup is against that measurement.
         for c in [] if args.servers_only else args.concurrency:
-            hf = bench_transformers(model, args.hf_requests)
-            r = asyncio.run(bench_engine(model, c, max(8, args.requests_scale * c)))
+            hf = bench_transformers(model, args.hf_requests, args.device, args.dtype)
+            n = max(8, args.requests_scale * c)
+            r = asyncio.run(bench_engine(model, c, n, args.device, args.dtype))
             r["speedup_vs_transformers"] = r["output_tokens_per_s"] / hf["output_tokens_per_s"]
             results[f"c{c}"] = {"engine": r, "transformers": hf}
             print(f"c={c}: transformers {_fmt(hf)}")

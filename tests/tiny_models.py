@@ -1,11 +1,15 @@
 """Tiny random Hugging Face models built at test time: a BPE tokenizer trained on a little text
 (with the demo model's chat template) and random weights (``initializer_range`` 0.2, so greedy
 choices are far from ties), saved with ``save_pretrained``. Each architecture is built once per
-test session (``build``)."""
+test session (``build``).
+
+``DYN_TEST_DEVICE=cuda`` runs the PyTorch engine's tests and transformers' reference outputs on
+the GPU (``TEST_DEVICE``; CPU otherwise): the GPU check (``scripts/gpu_check.sh``) does that."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +22,8 @@ SPECIAL = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
+TEST_DEVICE = os.environ.get("DYN_TEST_DEVICE", "cpu")
+"""Where the engine under test and transformers' reference run: ``cpu`` or ``cuda``."""
 ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3", "llama_hd64")
 _built: dict[str, Path] = {}
 
@@ -141,12 +147,13 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     model = _hf_models.get(model_dir)
     if model is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = model.to(TEST_DEVICE)
         model.eval()
         model.generation_config.eos_token_id = None  # compare fixed lengths (ignore_eos)
         _hf_models[model_dir] = model
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=TEST_DEVICE),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
@@ -164,6 +171,7 @@ def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
     hf_greedy(model_dir, prompt[:1], 1)  # loads and caches the model
     model = _hf_models[model_dir]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, :-1].float()  # type: ignore[operator]
+        ids = torch.tensor([prompt], device=TEST_DEVICE)
+        logits = model(ids).logits[0, :-1].float().cpu()  # type: ignore[operator]
     lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1))
     return [float(v) for v in lp.squeeze(1)]

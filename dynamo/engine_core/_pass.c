@@ -1,42 +1,261 @@
 /*
- * dynamo.engine_core._pass: the per-entry, per-token loops of one scheduler pass.
+ * dynamo.engine_core._pass: one scheduler pass of one DP rank in two calls, ``schedule_pass``
+ * (plan, grow, preempt, admit, allocate) and ``update_pass`` (advance, promote filled blocks,
+ * append and hash tokens, stop rules, retire the finished, drain the KV events), plus the
+ * mocker's sampler.
  *
- * Why native: every pass of every DP rank walks its batch twice per output token, once to
- * sample (the mocker's ids) and once to apply the pass (advance progress, append the token, hash
- * a completed block, check the stop rules). In the offline replay these two loops were ~20 % of
- * the CPU (docs/performance.md, "Offline replay"); the live mocker runs the same loops. The
- * contract of both functions is ``_pass.pyi``; ``_pass_fallback.py`` is the same contract in
- * Python (``dynamo.native`` picks one), and tests/unit/engine_core/test_pass_kernels.py holds
- * the two to the same outputs.
+ * Why native: the offline replay runs millions of passes, and the scheduler's per-pass Python
+ * (its loops, the per-sequence attribute traffic, the callbacks between the C loops and the
+ * Python policy) was most of what separated it from the reference's Rust replay
+ * (docs/performance.md, "Offline replay"); the live mocker and the PyTorch engine run the same
+ * pass. The contract is ``_pass.pyi``; ``_pass_fallback.py`` is the same contract in Python
+ * (``dynamo.native`` picks one), and tests/unit/engine_core/test_pass_kernels.py holds the two
+ * to the same results on random workloads.
  *
- * Sequences are the scheduler's ``Sequence`` objects (slotted dataclass): their fields are read
- * and written through attribute access, so both implementations mutate the same state.
+ * Sequences are the scheduler's ``Sequence`` objects (a slotted dataclass). Their slots are read
+ * and written in place: the offsets of the class's member descriptors are learned once, so a
+ * field access is a load, not an attribute lookup (any other object goes through getattr /
+ * setattr, with the same results). The KV manager is called through its public methods, so
+ * either of its implementations works.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
+#include <string.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define LCG_MUL 6364136223846793005ULL
 #define LCG_INC 1442695040888963407ULL
 #define SEQUENCE_SEED 1337ULL /* router.hashing.XXH3_SEED: the seed of the chained hash */
 
-static PyObject *s_pending_transfer, *s_ready_at, *s_prefill_end, *s_tokens, *s_num_computed_tokens, *s_rng_state, *s_banned_token_ids,
-    *s_status, *s_unique_blocks, *s_full_blocks, *s_num_prompt_tokens, *s_max_tokens,
-    *s_min_tokens, *s_stop_token_ids, *s_hash_seed, *s_local_hashes, *s_block_hashes,
-    *s_finish_reason, *s_request_id;
+/* -- the Sequence's fields ----------------------------------------------------------------- */
 
-/* An attribute that must be a Py_ssize_t-sized int; -1 with an exception set on error. */
-static int
-get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out)
+enum {
+    F_TOKENS, F_NUM_PROMPT_TOKENS, F_MAX_TOKENS, F_MIN_TOKENS, F_RNG_STATE, F_STOP_TOKEN_IDS,
+    F_BANNED_TOKEN_IDS, F_PENDING_TRANSFER, F_REUSE_PREFIX_CACHE, F_STATUS,
+    F_NUM_COMPUTED_TOKENS, F_PREFILL_END, F_NUM_CACHED_TOKENS, F_READY_AT, F_NUM_PREEMPTIONS,
+    F_FINISH_REASON, F_LOCAL_HASHES, F_BLOCK_HASHES, F_FULL_BLOCKS, F_UNIQUE_BLOCKS,
+    F_HASH_SEED, F_REQUEST_ID, F_HANDOFF, NFIELDS
+};
+
+static const char *const field_names[NFIELDS] = {
+    "tokens", "num_prompt_tokens", "max_tokens", "min_tokens", "rng_state", "stop_token_ids",
+    "banned_token_ids", "pending_transfer", "reuse_prefix_cache", "status",
+    "num_computed_tokens", "prefill_end", "num_cached_tokens", "ready_at", "num_preemptions",
+    "finish_reason", "local_hashes", "block_hashes", "full_blocks", "unique_blocks",
+    "hash_seed", "request_id", "handoff",
+};
+
+static PyObject *names[NFIELDS];
+static PyTypeObject *fast_type; /* the Sequence class, once its slot offsets are known */
+static Py_ssize_t offsets[NFIELDS];
+
+/* Names of the collaborators' attributes and methods (interned at import). */
+static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_blocks, *s_use,
+    *s_allocate_unique, *s_promote_run, *s_release, *s_drain_events, *s_enable_prefix_caching,
+    *s_max_num_batched_tokens, *s_block_size, *s_preemption_mode, *s_max_num_seqs,
+    *s_enable_chunked_prefill, *s_popleft, *s_appendleft, *s_announce_kw, *s_num_cached_tokens;
+
+/* Learned once from dynamo.engine_core.sequence / dynamo.protocol.output (strong refs). */
+static PyObject *st_waiting, *st_running, *st_finished, *fr_length, *fr_stop, *hash_fn,
+    *chain_seed;
+
+/* The slot offsets of ``type`` if every field is a plain writable object slot. */
+static void
+learn(PyTypeObject *type)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    Py_ssize_t found[NFIELDS];
+    for (int k = 0; k < NFIELDS; k++) {
+        PyObject *d = PyObject_GetAttr((PyObject *)type, names[k]);
+        if (d == NULL) {
+            PyErr_Clear();
+            return;
+        }
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY);
+            found[k] = m->offset;
+        }
+        Py_DECREF(d);
+        if (!ok)
+            return;
+    }
+    memcpy(offsets, found, sizeof found);
+    fast_type = (PyTypeObject *)Py_NewRef(type);
+}
+
+static PyObject *
+attr_of(const char *module, const char *dotted_a, const char *b)
+{
+    PyObject *m = PyImport_ImportModule(module);
+    if (m == NULL)
+        return NULL;
+    PyObject *a = PyObject_GetAttrString(m, dotted_a);
+    Py_DECREF(m);
+    if (a == NULL || b == NULL)
+        return a;
+    PyObject *v = PyObject_GetAttrString(a, b);
+    Py_DECREF(a);
+    return v;
+}
+
+/* The enums, the hash function and the Sequence class: imported at the first call (the
+ * sequence module imports the router's hashing; importing it from PyInit would be a cycle). */
+static int
+ensure_ready(void)
+{
+    if (st_running != NULL)
+        return 0;
+    PyObject *cls = attr_of("dynamo.engine_core.sequence", "Sequence", NULL);
+    if (cls == NULL)
+        return -1;
+    if (PyType_Check(cls))
+        learn((PyTypeObject *)cls);
+    Py_DECREF(cls);
+    if ((st_waiting = attr_of("dynamo.engine_core.sequence", "SequenceStatus", "WAITING")) ==
+            NULL ||
+        (st_finished = attr_of("dynamo.engine_core.sequence", "SequenceStatus", "FINISHED")) ==
+            NULL ||
+        (fr_length = attr_of("dynamo.protocol.output", "FinishReason", "LENGTH")) == NULL ||
+        (fr_stop = attr_of("dynamo.protocol.output", "FinishReason", "STOP")) == NULL ||
+        (hash_fn = attr_of("xxhash", "xxh3_64_intdigest", NULL)) == NULL ||
+        (chain_seed = PyLong_FromUnsignedLongLong(SEQUENCE_SEED)) == NULL)
+        return -1;
+    /* last: its presence says everything above is set */
+    st_running = attr_of("dynamo.engine_core.sequence", "SequenceStatus", "RUNNING");
+    return st_running == NULL ? -1 : 0;
+}
+
+/* A field's value (new reference), or NULL with an exception. */
+static PyObject *
+get(PyObject *seq, int f)
+{
+    if (Py_TYPE(seq) == fast_type) {
+        PyObject *v = *(PyObject **)((char *)seq + offsets[f]);
+        if (v == NULL) {
+            PyErr_Format(PyExc_AttributeError, "%U", names[f]);
+            return NULL;
+        }
+        return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(seq, names[f]);
+}
+
+/* Set a field to ``v`` (not stolen). */
+static int
+put(PyObject *seq, int f, PyObject *v)
+{
+    if (Py_TYPE(seq) == fast_type) {
+        PyObject **slot = (PyObject **)((char *)seq + offsets[f]);
+        PyObject *old = *slot;
+        *slot = Py_NewRef(v);
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(seq, names[f], v);
+}
+
+/* Set a field to a new reference ``v`` (stolen; NULL: the error that made it). */
+static int
+put_new(PyObject *seq, int f, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    int rc = put(seq, f, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int
+get_ssize(PyObject *seq, int f, Py_ssize_t *out)
+{
+    PyObject *v = get(seq, f);
     if (v == NULL)
         return -1;
     *out = PyLong_AsSsize_t(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
+
+static int
+put_ssize(PyObject *seq, int f, Py_ssize_t n)
+{
+    return put_new(seq, f, PyLong_FromSsize_t(n));
+}
+
+/* The truth of a field: 1, 0, or -1 on error. */
+static int
+get_bool(PyObject *seq, int f)
+{
+    PyObject *v = get(seq, f);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* len() of a field (a list on the fast path). */
+static Py_ssize_t
+len_of(PyObject *seq, int f)
+{
+    PyObject *v = get(seq, f);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyList_CheckExact(v) ? PyList_GET_SIZE(v) : PyObject_Length(v);
+    Py_DECREF(v);
+    return n;
+}
+
+/* Whether the sequence's status is ``status`` (identity, as ``is``): 1, 0, -1. */
+static int
+status_is(PyObject *seq, PyObject *status)
+{
+    PyObject *v = get(seq, F_STATUS);
+    if (v == NULL)
+        return -1;
+    Py_DECREF(v); /* identity only: the enum member lives on in its class */
+    return v == status;
+}
+
+/* An int result of a call (stolen), or -1 with an exception. */
+static Py_ssize_t
+as_ssize(PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return n;
+}
+
+static int
+config_ssize(PyObject *config, PyObject *name, Py_ssize_t *out)
+{
+    *out = as_ssize(PyObject_GetAttr(config, name));
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+config_bool(PyObject *config, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(config, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+static Py_ssize_t
+ceil_div(Py_ssize_t a, Py_ssize_t b)
+{
+    return a > 0 ? (a + b - 1) / b : -((-a) / b);
+}
+
+/* -- the sampler ---------------------------------------------------------------------------- */
 
 static int
 entry_parts(PyObject *entry, PyObject **seq, Py_ssize_t *n)
@@ -75,6 +294,8 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "excluded must be a set or frozenset");
         return NULL;
     }
+    if (ensure_ready() < 0)
+        return NULL;
     unsigned long long vocab = PyLong_AsUnsignedLongLong(args[1]);
     if (vocab == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
@@ -83,23 +304,18 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *seq, *tokens, *rng, *banned, *token = NULL;
+        PyObject *seq, *rng, *banned, *token = NULL;
         Py_ssize_t n, computed;
         if (entry_parts(PyList_GET_ITEM(entries, i), &seq, &n) < 0)
             goto fail;
-        tokens = PyObject_GetAttr(seq, s_tokens);
-        if (tokens == NULL)
-            goto fail;
-        Py_ssize_t position = PyObject_Length(tokens);
-        Py_DECREF(tokens);
-        if (position < 0 || get_ssize(seq, s_num_computed_tokens, &computed) < 0)
+        Py_ssize_t position = len_of(seq, F_TOKENS);
+        if (position < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
             goto fail;
         if (computed + n < position) {
             PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
             continue;
         }
-        rng = PyObject_GetAttr(seq, s_rng_state);
-        if (rng == NULL)
+        if ((rng = get(seq, F_RNG_STATE)) == NULL)
             goto fail;
         uint64_t z = PyLong_AsUnsignedLongLongMask(rng); /* the state mod 2**64 */
         Py_DECREF(rng);
@@ -110,8 +326,7 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
         uint64_t state = z ^ (z >> 31);
-        banned = PyObject_GetAttr(seq, s_banned_token_ids);
-        if (banned == NULL)
+        if ((banned = get(seq, F_BANNED_TOKEN_IDS)) == NULL)
             goto fail;
         if (banned != Py_None && !PyAnySet_Check(banned)) {
             Py_DECREF(banned);
@@ -144,9 +359,563 @@ fail:
     return NULL;
 }
 
-/* xxh3(bytes, seed) through the caller's hash function (xxhash.xxh3_64_intdigest). */
+/* -- blocks --------------------------------------------------------------------------------- */
+
+/* kv.release(full_blocks, unique_blocks); both fields become new empty lists. */
+static int
+release(PyObject *kv, PyObject *seq)
+{
+    PyObject *full = get(seq, F_FULL_BLOCKS);
+    PyObject *unique = full ? get(seq, F_UNIQUE_BLOCKS) : NULL;
+    PyObject *r = NULL;
+    if (unique != NULL) {
+        PyObject *argv[3] = {kv, full, unique};
+        r = PyObject_VectorcallMethod(s_release, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    Py_XDECREF(full);
+    Py_XDECREF(unique);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    if (put_new(seq, F_FULL_BLOCKS, PyList_New(0)) < 0 ||
+        put_new(seq, F_UNIQUE_BLOCKS, PyList_New(0)) < 0)
+        return -1;
+    return 0;
+}
+
 static PyObject *
-call_hash(PyObject *hash_fn, const char *data, Py_ssize_t len, PyObject *seed)
+release_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release_blocks(kv, seq)");
+        return NULL;
+    }
+    if (ensure_ready() < 0 || release(args[0], args[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* kv.allocate_unique(n): a new list of ids, Py_None (new ref) when there is no room. */
+static PyObject *
+allocate_unique(PyObject *kv, Py_ssize_t n)
+{
+    PyObject *count = PyLong_FromSsize_t(n);
+    if (count == NULL)
+        return NULL;
+    PyObject *argv[2] = {kv, count};
+    PyObject *r = PyObject_VectorcallMethod(s_allocate_unique, argv,
+                                            2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(count);
+    return r;
+}
+
+/* Append the items of ``items`` to the list field ``f`` (list.extend). */
+static int
+extend_field(PyObject *seq, int f, PyObject *items)
+{
+    PyObject *list = get(seq, f);
+    if (list == NULL)
+        return -1;
+    int rc;
+    if (PyList_Check(list)) {
+        Py_ssize_t end = PyList_GET_SIZE(list);
+        rc = PyList_SetSlice(list, end, end, items);
+    } else {
+        PyObject *r = PyObject_CallMethod(list, "extend", "O", items);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(list);
+    return rc;
+}
+
+/* Room for the token a decode computes (a new tail block at a block boundary): 1, 0 (no
+ * room, nothing changed), -1. */
+static int
+grow(PyObject *kv, PyObject *seq, Py_ssize_t bs)
+{
+    Py_ssize_t ntok = len_of(seq, F_TOKENS), nfull = len_of(seq, F_FULL_BLOCKS);
+    Py_ssize_t nuniq = len_of(seq, F_UNIQUE_BLOCKS);
+    if (ntok < 0 || nfull < 0 || nuniq < 0)
+        return -1;
+    Py_ssize_t missing = ceil_div(ntok, bs) - nfull - nuniq;
+    if (missing <= 0)
+        return 1;
+    PyObject *ids = allocate_unique(kv, missing);
+    if (ids == NULL)
+        return -1;
+    if (ids == Py_None) {
+        Py_DECREF(ids);
+        return 0;
+    }
+    int rc = extend_field(seq, F_UNIQUE_BLOCKS, ids);
+    Py_DECREF(ids);
+    return rc < 0 ? -1 : 1;
+}
+
+/* Private tail blocks whose KV is complete become shareable full blocks (kv.promote_run). */
+static int
+promote_filled(PyObject *kv, PyObject *seq, Py_ssize_t bs, Py_ssize_t computed, Py_ssize_t k,
+               Py_ssize_t nuniq)
+{
+    Py_ssize_t n = computed / bs - k;
+    if (n > nuniq)
+        n = nuniq;
+    if (n <= 0)
+        return 0;
+    int rc = -1;
+    PyObject *chain = get(seq, F_BLOCK_HASHES), *locals = NULL, *unique = NULL, *ids = NULL,
+             *hashes = NULL, *local = NULL, *parent = NULL, *r = NULL;
+    if (chain == NULL || (locals = get(seq, F_LOCAL_HASHES)) == NULL ||
+        (unique = get(seq, F_UNIQUE_BLOCKS)) == NULL)
+        goto done;
+    if ((hashes = PySequence_GetSlice(chain, k, k + n)) == NULL ||
+        (local = PySequence_GetSlice(locals, k, k + n)) == NULL ||
+        (ids = PySequence_GetSlice(unique, 0, n)) == NULL)
+        goto done;
+    parent = k ? PySequence_GetItem(chain, k - 1) : Py_NewRef(Py_None);
+    if (parent == NULL)
+        goto done;
+    PyObject *argv[5] = {kv, ids, hashes, local, parent};
+    r = PyObject_VectorcallMethod(s_promote_run, argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL || PySequence_DelSlice(unique, 0, n) < 0 ||
+        extend_field(seq, F_FULL_BLOCKS, hashes) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(chain);
+    Py_XDECREF(locals);
+    Py_XDECREF(unique);
+    Py_XDECREF(ids);
+    Py_XDECREF(hashes);
+    Py_XDECREF(local);
+    Py_XDECREF(parent);
+    Py_XDECREF(r);
+    return rc;
+}
+
+/* -- schedule_pass -------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject **seq; /* strong references */
+    Py_ssize_t *n;  /* -1: removed (its sequence was preempted) */
+    Py_ssize_t len, cap;
+} Plan;
+
+static int
+plan_add(Plan *p, PyObject *seq, Py_ssize_t n)
+{
+    if (p->len == p->cap) {
+        Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
+        PyObject **s = PyMem_Realloc(p->seq, (size_t)cap * sizeof *s);
+        if (s == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->seq = s;
+        Py_ssize_t *c = PyMem_Realloc(p->n, (size_t)cap * sizeof *c);
+        if (c == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->n = c;
+        p->cap = cap;
+    }
+    p->seq[p->len] = Py_NewRef(seq);
+    p->n[p->len++] = n;
+    return 0;
+}
+
+/* Drop ``seq``'s entry; the tokens it had (0 if none). */
+static Py_ssize_t
+plan_remove(Plan *p, PyObject *seq)
+{
+    for (Py_ssize_t i = 0; i < p->len; i++) {
+        if (p->seq[i] == seq && p->n[i] >= 0) {
+            Py_ssize_t n = p->n[i];
+            p->n[i] = -1;
+            return n;
+        }
+    }
+    return 0;
+}
+
+static void
+plan_free(Plan *p)
+{
+    for (Py_ssize_t i = 0; i < p->len; i++)
+        Py_DECREF(p->seq[i]);
+    PyMem_Free(p->seq);
+    PyMem_Free(p->n);
+}
+
+typedef struct {
+    PyObject *running, *waiting, *kv, *transfer, *now_obj;
+    double now;
+    Py_ssize_t budget, bs, max_batched, max_seqs;
+    int lifo, chunked, caching;
+    Plan plan;
+    PyObject *preempted;
+} Pass;
+
+/* Preempt the running sequence at ``index``: blocks released (they stay cached), progress
+ * reset, requeued at the front of the waiting queue. */
+static int
+preempt(Pass *ps, Py_ssize_t index, PyObject *victim)
+{
+    Py_ssize_t preemptions;
+    if (PyList_SetSlice(ps->running, index, index + 1, NULL) < 0 || release(ps->kv, victim) < 0)
+        return -1;
+    if (put_ssize(victim, F_NUM_COMPUTED_TOKENS, 0) < 0 ||
+        put_ssize(victim, F_PREFILL_END, 0) < 0 ||
+        get_ssize(victim, F_NUM_PREEMPTIONS, &preemptions) < 0 ||
+        put_ssize(victim, F_NUM_PREEMPTIONS, preemptions + 1) < 0 ||
+        put(victim, F_STATUS, st_waiting) < 0)
+        return -1;
+    PyObject *argv[2] = {ps->waiting, victim};
+    PyObject *r =
+        PyObject_VectorcallMethod(s_appendleft, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return PyList_Append(ps->preempted, victim);
+}
+
+/* Schedule ``seq`` for its uncomputed tokens, capped by the budget. */
+static int
+schedule_rest(Pass *ps, PyObject *seq)
+{
+    Py_ssize_t ntok = len_of(seq, F_TOKENS), computed;
+    if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+        return -1;
+    Py_ssize_t n = ntok - computed;
+    if (n > ps->budget)
+        n = ps->budget;
+    if (plan_add(&ps->plan, seq, n) < 0)
+        return -1;
+    ps->budget -= n;
+    return 0;
+}
+
+/* One running sequence, ``running[*i]`` on entry; *i is the next index on return. */
+static int
+plan_one(Pass *ps, PyObject *seq, Py_ssize_t *i)
+{
+    int pending = get_bool(seq, F_PENDING_TRANSFER);
+    if (pending < 0)
+        return -1;
+    if (pending) {
+        PyObject *ready = get(seq, F_READY_AT);
+        if (ready == NULL)
+            return -1;
+        double at = PyFloat_AsDouble(ready);
+        Py_DECREF(ready);
+        if (at == -1.0 && PyErr_Occurred())
+            return -1;
+        if (at > ps->now) { /* its KV transfer has not landed yet */
+            (*i)++;
+            return 0;
+        }
+        if (put(seq, F_PENDING_TRANSFER, Py_False) < 0)
+            return -1;
+    }
+    (*i)++;
+    Py_ssize_t ntok = len_of(seq, F_TOKENS), computed, prefill_end;
+    if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
+        get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
+        return -1;
+    if (computed >= prefill_end) {
+        Py_ssize_t nfull = len_of(seq, F_FULL_BLOCKS), nuniq = len_of(seq, F_UNIQUE_BLOCKS);
+        if (nfull < 0 || nuniq < 0)
+            return -1;
+        if (ntok > ps->bs * (nfull + nuniq)) {
+            /* a decode whose token starts a new block: grow it, preempting if it must */
+            for (;;) {
+                int g = grow(ps->kv, seq, ps->bs);
+                if (g < 0)
+                    return -1;
+                if (g)
+                    break;
+                Py_ssize_t count = PyList_GET_SIZE(ps->running);
+                Py_ssize_t vi = ps->lifo ? count - 1 : 0;
+                PyObject *victim = Py_NewRef(PyList_GET_ITEM(ps->running, vi));
+                if (vi < *i)
+                    (*i)--;
+                ps->budget += plan_remove(&ps->plan, victim);
+                int rc = preempt(ps, vi, victim);
+                Py_DECREF(victim);
+                if (rc < 0)
+                    return -1;
+                if (victim == seq)
+                    break;
+            }
+            int still = status_is(seq, st_running);
+            if (still <= 0)
+                return still;
+        }
+    }
+    return schedule_rest(ps, seq);
+}
+
+/* Admit ``seq``: its cached prefix found and blocks taken for all its tokens. 1: admitted;
+ * 0: it cannot start now (nothing changed); -1: error. */
+static int
+allocate(Pass *ps, PyObject *seq)
+{
+    Py_ssize_t bs = ps->bs, ntok = len_of(seq, F_TOKENS), computed;
+    if (ntok < 0)
+        return -1;
+    int pending = get_bool(seq, F_PENDING_TRANSFER);
+    if (pending < 0)
+        return -1;
+    PyObject *chain = get(seq, F_BLOCK_HASHES);
+    if (chain == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *locals = NULL, *full = NULL, *local = NULL, *r = NULL, *unique = NULL;
+    if (pending) {
+        computed = ntok - 1; /* KV arrives from the prefill worker; recompute the last one */
+    } else {
+        int reuse = get_bool(seq, F_REUSE_PREFIX_CACHE);
+        if (reuse < 0)
+            goto done;
+        Py_ssize_t hit = 0;
+        if (reuse) {
+            PyObject *argv[2] = {ps->kv, chain};
+            hit = as_ssize(PyObject_VectorcallMethod(s_num_cached_prefix, argv,
+                                                     2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+            if (hit == -1 && PyErr_Occurred())
+                goto done;
+        }
+        computed = hit * bs;
+        if (computed > ntok - 1)
+            computed = ntok - 1; /* like vLLM, always compute >= 1 token */
+    }
+    Py_ssize_t new_tokens = ntok - computed;
+    if (!ps->chunked && ps->budget < new_tokens && new_tokens <= ps->max_batched) {
+        rc = 0; /* wait for a pass with room (larger ones are chunked anyway) */
+        goto done;
+    }
+    Py_ssize_t n_full = !ps->caching ? 0 : pending ? ntok / bs : ceil_div(computed, bs);
+    Py_ssize_t n_unique = ceil_div(ntok, bs) - n_full;
+    if ((locals = get(seq, F_LOCAL_HASHES)) == NULL ||
+        (full = PySequence_GetSlice(chain, 0, n_full)) == NULL ||
+        (local = PySequence_GetSlice(locals, 0, n_full)) == NULL)
+        goto done;
+    PyObject *count = PyLong_FromSsize_t(n_unique);
+    if (count == NULL)
+        goto done;
+    PyObject *argv[3] = {ps->kv, full, count};
+    Py_ssize_t needed = as_ssize(
+        PyObject_VectorcallMethod(s_num_slots_needed, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                  NULL));
+    Py_DECREF(count);
+    if (needed == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t available = as_ssize(PyObject_GetAttr(ps->kv, s_num_available_blocks));
+    if (available == -1 && PyErr_Occurred())
+        goto done;
+    if (needed > available) {
+        rc = 0;
+        goto done;
+    }
+    if (PyList_Check(full) ? PyList_GET_SIZE(full) > 0 : PyObject_IsTrue(full) == 1) {
+        /* Blocks received from a prefill worker are not announced: routers only index what
+         * this worker computed (the prefill worker owns the prompt's KV, FACTS §9.1). */
+        PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
+        r = PyObject_VectorcallMethod(s_use, uargv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                      s_announce_kw);
+        if (r == NULL)
+            goto done;
+    }
+    if ((unique = allocate_unique(ps->kv, n_unique)) == NULL)
+        goto done;
+    if (unique == Py_None) { /* room was checked above */
+        PyErr_SetString(PyExc_AssertionError, "no room for the private blocks checked for");
+        goto done;
+    }
+    if (put(seq, F_FULL_BLOCKS, full) < 0 || put(seq, F_UNIQUE_BLOCKS, unique) < 0 ||
+        put_ssize(seq, F_NUM_COMPUTED_TOKENS, computed) < 0 ||
+        put_ssize(seq, F_PREFILL_END, pending ? computed : ntok) < 0)
+        goto done;
+    PyObject *cached = get(seq, F_NUM_CACHED_TOKENS);
+    if (cached == NULL)
+        goto done;
+    Py_DECREF(cached);
+    if (cached == Py_None) {
+        /* A received prompt reports the prefill worker's prefix hit as its cached tokens. */
+        PyObject *handoff = get(seq, F_HANDOFF), *value;
+        if (handoff == NULL)
+            goto done;
+        int has = pending ? PyObject_IsTrue(handoff) : 0;
+        if (has < 0) {
+            Py_DECREF(handoff);
+            goto done;
+        }
+        value = has ? PyObject_GetAttr(handoff, s_num_cached_tokens) : PyLong_FromSsize_t(computed);
+        Py_DECREF(handoff);
+        if (put_new(seq, F_NUM_CACHED_TOKENS, value) < 0)
+            goto done;
+    }
+    if (put(seq, F_STATUS, st_running) < 0)
+        goto done;
+    rc = 1;
+done:
+    Py_DECREF(chain);
+    Py_XDECREF(locals);
+    Py_XDECREF(full);
+    Py_XDECREF(local);
+    Py_XDECREF(r);
+    Py_XDECREF(unique);
+    return rc;
+}
+
+/* Admit waiting sequences in FIFO order while budget and max_num_seqs allow. */
+static int
+admit_waiting(Pass *ps)
+{
+    for (;;) {
+        Py_ssize_t nwait = PyObject_Length(ps->waiting);
+        if (nwait < 0)
+            return -1;
+        if (nwait == 0 || ps->budget <= 0 || PyList_GET_SIZE(ps->running) >= ps->max_seqs)
+            return 0;
+        PyObject *seq = PySequence_GetItem(ps->waiting, 0);
+        if (seq == NULL)
+            return -1;
+        int rc = allocate(ps, seq);
+        if (rc <= 0) { /* head-of-line: later requests wait behind it (FIFO) */
+            Py_DECREF(seq);
+            return rc;
+        }
+        PyObject *argv[1] = {ps->waiting};
+        PyObject *r =
+            PyObject_VectorcallMethod(s_popleft, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(r);
+        if (r == NULL || PyList_Append(ps->running, seq) < 0)
+            goto fail;
+        int pending = get_bool(seq, F_PENDING_TRANSFER);
+        if (pending < 0)
+            goto fail;
+        if (pending) {
+            PyObject *prompt = get(seq, F_NUM_PROMPT_TOKENS);
+            PyObject *wait = prompt ? PyObject_CallOneArg(ps->transfer, prompt) : NULL;
+            Py_XDECREF(prompt);
+            PyObject *ready = wait ? PyNumber_Add(ps->now_obj, wait) : NULL;
+            Py_XDECREF(wait);
+            if (ready == NULL)
+                goto fail;
+            int later = PyObject_RichCompareBool(ready, ps->now_obj, Py_GT);
+            if (later < 0 || put_new(seq, F_READY_AT, ready) < 0)
+                goto fail;
+            if (later) {
+                Py_DECREF(seq);
+                continue;
+            }
+            if (put(seq, F_PENDING_TRANSFER, Py_False) < 0)
+                goto fail;
+        }
+        rc = schedule_rest(ps, seq);
+        Py_DECREF(seq);
+        if (rc < 0)
+            return -1;
+        continue;
+    fail:
+        Py_DECREF(seq);
+        return -1;
+    }
+}
+
+/* schedule_pass(running, waiting, kv, config, now, transfer_seconds): see _pass.pyi. */
+static PyObject *
+schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "schedule_pass(running, waiting, kv, config, now, transfer_seconds)");
+        return NULL;
+    }
+    if (ensure_ready() < 0)
+        return NULL;
+    Pass ps = {0};
+    ps.running = args[0], ps.waiting = args[1], ps.kv = args[2], ps.now_obj = args[4];
+    ps.transfer = args[5];
+    PyObject *config = args[3];
+    if (!PyList_Check(ps.running)) {
+        PyErr_SetString(PyExc_TypeError, "running must be a list");
+        return NULL;
+    }
+    ps.now = PyFloat_AsDouble(ps.now_obj);
+    if (ps.now == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (config_ssize(config, s_max_num_batched_tokens, &ps.max_batched) < 0 ||
+        config_ssize(config, s_block_size, &ps.bs) < 0 ||
+        config_ssize(config, s_max_num_seqs, &ps.max_seqs) < 0 ||
+        (ps.chunked = config_bool(config, s_enable_chunked_prefill)) < 0 ||
+        (ps.caching = config_bool(config, s_enable_prefix_caching)) < 0)
+        return NULL;
+    if (ps.bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    PyObject *mode = PyObject_GetAttr(config, s_preemption_mode);
+    if (mode == NULL)
+        return NULL;
+    ps.lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
+    Py_DECREF(mode);
+    ps.budget = ps.max_batched;
+    PyObject *entries = NULL, *result = NULL;
+    if ((ps.preempted = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t i = 0;
+    while (i < PyList_GET_SIZE(ps.running) && ps.budget > 0) {
+        PyObject *seq = Py_NewRef(PyList_GET_ITEM(ps.running, i));
+        int rc = plan_one(&ps, seq, &i);
+        Py_DECREF(seq);
+        if (rc < 0)
+            goto done;
+    }
+    if (PyList_GET_SIZE(ps.preempted) == 0 && admit_waiting(&ps) < 0)
+        goto done;
+    if ((entries = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t prefill = 0, decodes = 0, context = 0;
+    for (Py_ssize_t k = 0; k < ps.plan.len; k++) {
+        Py_ssize_t n = ps.plan.n[k], computed, prefill_end;
+        PyObject *seq = ps.plan.seq[k];
+        if (n < 0)
+            continue; /* preempted after it was planned */
+        if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
+            get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
+            goto done;
+        if (computed >= prefill_end) {
+            Py_ssize_t ntok = len_of(seq, F_TOKENS);
+            if (ntok < 0)
+                goto done;
+            decodes++;
+            context += ntok;
+        } else {
+            prefill += n;
+        }
+        PyObject *entry = Py_BuildValue("(On)", seq, n);
+        int rc = entry == NULL ? -1 : PyList_Append(entries, entry);
+        Py_XDECREF(entry);
+        if (rc < 0)
+            goto done;
+    }
+    result = Py_BuildValue("(OOnnn)", entries, ps.preempted, prefill, decodes, context);
+done:
+    plan_free(&ps.plan);
+    Py_XDECREF(ps.preempted);
+    Py_XDECREF(entries);
+    return result;
+}
+
+/* -- update_pass ---------------------------------------------------------------------------- */
+
+/* xxh3(bytes, seed) through xxhash.xxh3_64_intdigest (router.hashing's block hash). */
+static PyObject *
+call_hash(const char *data, Py_ssize_t len, PyObject *seed)
 {
     PyObject *bytes = PyBytes_FromStringAndSize(data, len);
     if (bytes == NULL)
@@ -166,8 +935,7 @@ put_u64_le(unsigned char *p, uint64_t v)
 
 /* Sequence.append_token: append, and hash the block the token completes (if it does). */
 static int
-append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_size,
-             PyObject *hash_fn, PyObject *chain_seed)
+append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_size)
 {
     if (PyList_Append(tokens, token) < 0)
         return -1;
@@ -193,13 +961,13 @@ append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_
         for (int b = 0; b < 4; b++)
             buf[4 * k + b] = (unsigned char)(t >> (8 * b));
     }
-    if ((seed = PyObject_GetAttr(seq, s_hash_seed)) == NULL)
+    if ((seed = get(seq, F_HASH_SEED)) == NULL)
         goto done;
-    if ((local = call_hash(hash_fn, (const char *)buf, block_size * 4, seed)) == NULL)
+    if ((local = call_hash((const char *)buf, block_size * 4, seed)) == NULL)
         goto done;
-    if ((locals = PyObject_GetAttr(seq, s_local_hashes)) == NULL)
+    if ((locals = get(seq, F_LOCAL_HASHES)) == NULL)
         goto done;
-    if ((chain = PyObject_GetAttr(seq, s_block_hashes)) == NULL)
+    if ((chain = get(seq, F_BLOCK_HASHES)) == NULL)
         goto done;
     if (!PyList_Check(locals) || !PyList_Check(chain)) {
         PyErr_SetString(PyExc_TypeError, "local_hashes and block_hashes must be lists");
@@ -220,7 +988,7 @@ append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_
             goto done;
         put_u64_le(pair, parent);
         put_u64_le(pair + 8, lo);
-        if ((next = call_hash(hash_fn, (const char *)pair, 16, chain_seed)) == NULL)
+        if ((next = call_hash((const char *)pair, 16, chain_seed)) == NULL)
             goto done;
     }
     rc = PyList_Append(chain, next);
@@ -236,24 +1004,23 @@ done:
 
 /* Sequence.finish_after: the reason (borrowed: length or stop) or NULL to go on; -1 on error. */
 static int
-finish_reason(PyObject *seq, Py_ssize_t num_tokens, PyObject *token, PyObject *length,
-              PyObject *stop, PyObject **reason)
+finish_reason(PyObject *seq, Py_ssize_t num_tokens, PyObject *token, PyObject **reason)
 {
     Py_ssize_t prompt, max_tokens, min_tokens;
     *reason = NULL;
-    if (get_ssize(seq, s_num_prompt_tokens, &prompt) < 0 ||
-        get_ssize(seq, s_max_tokens, &max_tokens) < 0)
+    if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &prompt) < 0 ||
+        get_ssize(seq, F_MAX_TOKENS, &max_tokens) < 0)
         return -1;
     Py_ssize_t n = num_tokens - prompt;
     if (n >= max_tokens) {
-        *reason = length;
+        *reason = fr_length;
         return 0;
     }
-    if (get_ssize(seq, s_min_tokens, &min_tokens) < 0)
+    if (get_ssize(seq, F_MIN_TOKENS, &min_tokens) < 0)
         return -1;
     if (n < min_tokens)
         return 0;
-    PyObject *stops = PyObject_GetAttr(seq, s_stop_token_ids);
+    PyObject *stops = get(seq, F_STOP_TOKEN_IDS);
     if (stops == NULL)
         return -1;
     int hit = PySequence_Contains(stops, token);
@@ -261,286 +1028,220 @@ finish_reason(PyObject *seq, Py_ssize_t num_tokens, PyObject *token, PyObject *l
     if (hit < 0)
         return -1;
     if (hit)
-        *reason = stop;
+        *reason = fr_stop;
     return 0;
 }
 
-/* advance(entries, sampled, block_size, caching, running, finished, length, stop, promote,
- *         hash_fn) -> (tokens, finished): see _pass.pyi. */
-static PyObject *
-advance(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* Advance one entry; appends to tokens_out / finished when it samples / ends. */
+static int
+advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize_t bs,
+            int caching, PyObject *tokens_out, PyObject *finished)
 {
-    if (nargs != 10) {
+    int alive = status_is(seq, st_running);
+    if (alive <= 0)
+        return alive; /* aborted while the pass ran */
+    Py_ssize_t computed;
+    if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+        return -1;
+    computed += n;
+    if (put_ssize(seq, F_NUM_COMPUTED_TOKENS, computed) < 0)
+        return -1;
+    if (caching) {
+        Py_ssize_t nuniq = len_of(seq, F_UNIQUE_BLOCKS);
+        if (nuniq < 0)
+            return -1;
+        if (nuniq > 0) {
+            Py_ssize_t nfull = len_of(seq, F_FULL_BLOCKS);
+            if (nfull < 0)
+                return -1;
+            if (computed >= (nfull + 1) * bs && promote_filled(kv, seq, bs, computed, nfull, nuniq) < 0)
+                return -1;
+        }
+    }
+    PyObject *tokens = get(seq, F_TOKENS);
+    if (tokens == NULL)
+        return -1;
+    if (!PyList_Check(tokens)) {
+        Py_DECREF(tokens);
+        PyErr_SetString(PyExc_TypeError, "tokens must be a list");
+        return -1;
+    }
+    if (computed < PyList_GET_SIZE(tokens)) {
+        Py_DECREF(tokens);
+        return 0; /* a prefill chunk that has not reached the end */
+    }
+    if (token == Py_None) {
+        Py_DECREF(tokens);
+        PyObject *rid = get(seq, F_REQUEST_ID);
+        if (rid != NULL) {
+            PyErr_Format(PyExc_ValueError, "no token sampled for %R", rid);
+            Py_DECREF(rid);
+        }
+        return -1;
+    }
+    int rc = append_token(seq, tokens, token, bs);
+    Py_ssize_t num_tokens = PyList_GET_SIZE(tokens);
+    Py_DECREF(tokens);
+    if (rc < 0)
+        return -1;
+    PyObject *pair = PyTuple_Pack(2, seq, token), *reason;
+    if (pair == NULL)
+        return -1;
+    rc = PyList_Append(tokens_out, pair);
+    Py_DECREF(pair);
+    if (rc < 0 || finish_reason(seq, num_tokens, token, &reason) < 0)
+        return -1;
+    if (reason != NULL) {
+        if (put(seq, F_FINISH_REASON, reason) < 0 || put(seq, F_STATUS, st_finished) < 0 ||
+            PyList_Append(finished, seq) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* The finished release their blocks and leave the request table and the running list. */
+static int
+retire(PyObject *kv, PyObject *finished, PyObject *running, PyObject *requests)
+{
+    Py_ssize_t count = PyList_GET_SIZE(finished);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *seq = PyList_GET_ITEM(finished, k);
+        if (release(kv, seq) < 0)
+            return -1;
+        PyObject *rid = get(seq, F_REQUEST_ID);
+        if (rid == NULL)
+            return -1;
+        int rc = PyObject_DelItem(requests, rid);
+        Py_DECREF(rid);
+        if (rc < 0)
+            return -1;
+    }
+    PyObject *keep = PyList_New(0);
+    if (keep == NULL)
+        return -1;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(running); k++) {
+        PyObject *seq = PyList_GET_ITEM(running, k);
+        int alive = status_is(seq, st_running);
+        if (alive < 0 || (alive && PyList_Append(keep, seq) < 0)) {
+            Py_DECREF(keep);
+            return -1;
+        }
+    }
+    int rc = PyList_SetSlice(running, 0, PyList_GET_SIZE(running), keep);
+    Py_DECREF(keep);
+    return rc;
+}
+
+/* update_pass(entries, sampled, running, requests, kv, block_size): see _pass.pyi. */
+static PyObject *
+update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
-                        "advance(entries, sampled, block_size, caching, running, finished, "
-                        "length, stop, promote, hash_fn)");
+                        "update_pass(entries, sampled, running, requests, kv, block_size)");
         return NULL;
     }
-    PyObject *entries = args[0], *sampled = args[1];
-    PyObject *running = args[4], *finished_status = args[5], *length = args[6], *stop = args[7];
-    PyObject *promote = args[8], *hash_fn = args[9];
-    if (!PyList_Check(entries) || !PyList_Check(sampled)) {
-        PyErr_SetString(PyExc_TypeError, "entries and sampled must be lists");
+    PyObject *entries = args[0], *sampled = args[1], *running = args[2], *requests = args[3];
+    PyObject *kv = args[4];
+    if (!PyList_Check(entries) || !PyList_Check(sampled) || !PyList_Check(running)) {
+        PyErr_SetString(PyExc_TypeError, "entries, sampled and running must be lists");
         return NULL;
     }
     if (PyList_GET_SIZE(entries) != PyList_GET_SIZE(sampled)) {
         PyErr_SetString(PyExc_ValueError, "sampled must have one item per batch entry");
         return NULL;
     }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
-    if (block_size == -1 && PyErr_Occurred())
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    if (bs == -1 && PyErr_Occurred())
         return NULL;
-    if (block_size <= 0) {
+    if (bs <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
-    int caching = PyObject_IsTrue(args[3]);
+    if (ensure_ready() < 0)
+        return NULL;
+    int caching = config_bool(kv, s_enable_prefix_caching);
     if (caching < 0)
         return NULL;
-    PyObject *chain_seed = PyLong_FromUnsignedLongLong(SEQUENCE_SEED);
-    PyObject *tokens_out = PyList_New(0), *finished = PyList_New(0);
-    if (chain_seed == NULL || tokens_out == NULL || finished == NULL)
-        goto fail;
+    PyObject *tokens_out = PyList_New(0), *finished = PyList_New(0), *events = NULL;
+    PyObject *result = NULL;
+    if (tokens_out == NULL || finished == NULL)
+        goto done;
     Py_ssize_t count = PyList_GET_SIZE(entries);
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *seq, *status, *tokens, *pair, *reason;
-        Py_ssize_t n, computed;
+        PyObject *seq;
+        Py_ssize_t n;
         if (entry_parts(PyList_GET_ITEM(entries, i), &seq, &n) < 0)
-            goto fail;
-        if ((status = PyObject_GetAttr(seq, s_status)) == NULL)
-            goto fail;
-        Py_DECREF(status); /* identity only: the enum member lives on in its class */
-        if (status != running)
-            continue; /* aborted while the pass ran */
-        if (get_ssize(seq, s_num_computed_tokens, &computed) < 0)
-            goto fail;
-        computed += n;
-        PyObject *value = PyLong_FromSsize_t(computed);
-        if (value == NULL)
-            goto fail;
-        int set = PyObject_SetAttr(seq, s_num_computed_tokens, value);
-        Py_DECREF(value);
-        if (set < 0)
-            goto fail;
-        if (caching) {
-            PyObject *unique = PyObject_GetAttr(seq, s_unique_blocks);
-            if (unique == NULL)
-                goto fail;
-            Py_ssize_t n_unique = PyObject_Length(unique);
-            Py_DECREF(unique);
-            if (n_unique < 0)
-                goto fail;
-            if (n_unique > 0) {
-                PyObject *full = PyObject_GetAttr(seq, s_full_blocks);
-                if (full == NULL)
-                    goto fail;
-                Py_ssize_t n_full = PyObject_Length(full);
-                Py_DECREF(full);
-                if (n_full < 0)
-                    goto fail;
-                if (computed >= (n_full + 1) * block_size) {
-                    PyObject *r = PyObject_CallOneArg(promote, seq);
-                    if (r == NULL)
-                        goto fail;
-                    Py_DECREF(r);
-                }
-            }
-        }
-        if ((tokens = PyObject_GetAttr(seq, s_tokens)) == NULL)
-            goto fail;
-        if (!PyList_Check(tokens)) {
-            Py_DECREF(tokens);
-            PyErr_SetString(PyExc_TypeError, "tokens must be a list");
-            goto fail;
-        }
-        if (computed < PyList_GET_SIZE(tokens)) {
-            Py_DECREF(tokens);
-            continue; /* a prefill chunk that has not reached the end */
-        }
-        PyObject *token = PyList_GET_ITEM(sampled, i);
-        if (token == Py_None) {
-            Py_DECREF(tokens);
-            PyObject *rid = PyObject_GetAttr(seq, s_request_id);
-            if (rid != NULL) {
-                PyErr_Format(PyExc_ValueError, "no token sampled for %R", rid);
-                Py_DECREF(rid);
-            }
-            goto fail;
-        }
-        int rc = append_token(seq, tokens, token, block_size, hash_fn, chain_seed);
-        Py_ssize_t num_tokens = PyList_GET_SIZE(tokens);
-        Py_DECREF(tokens);
+            goto done;
+        Py_INCREF(seq);
+        int rc = advance_one(kv, seq, n, PyList_GET_ITEM(sampled, i), bs, caching, tokens_out,
+                             finished);
+        Py_DECREF(seq);
         if (rc < 0)
-            goto fail;
-        if ((pair = PyTuple_Pack(2, seq, token)) == NULL)
-            goto fail;
-        rc = PyList_Append(tokens_out, pair);
-        Py_DECREF(pair);
-        if (rc < 0 || finish_reason(seq, num_tokens, token, length, stop, &reason) < 0)
-            goto fail;
-        if (reason != NULL) {
-            if (PyObject_SetAttr(seq, s_finish_reason, reason) < 0 ||
-                PyObject_SetAttr(seq, s_status, finished_status) < 0 ||
-                PyList_Append(finished, seq) < 0)
-                goto fail;
-        }
+            goto done;
     }
-    Py_DECREF(chain_seed);
-    PyObject *result = PyTuple_Pack(2, tokens_out, finished);
-    Py_DECREF(tokens_out);
-    Py_DECREF(finished);
-    return result;
-fail:
-    Py_XDECREF(chain_seed);
+    if (PyList_GET_SIZE(finished) > 0 && retire(kv, finished, running, requests) < 0)
+        goto done;
+    PyObject *argv[1] = {kv};
+    events =
+        PyObject_VectorcallMethod(s_drain_events, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (events == NULL)
+        goto done;
+    result = PyTuple_Pack(3, tokens_out, finished, events);
+done:
     Py_XDECREF(tokens_out);
     Py_XDECREF(finished);
-    return NULL;
-}
-
-
-static Py_ssize_t
-length_of(PyObject *seq, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(seq, name);
-    if (v == NULL)
-        return -1;
-    Py_ssize_t n = PyObject_Length(v);
-    Py_DECREF(v);
-    return n;
-}
-
-/* plan_running(running, i, budget, now, block_size, scheduled) -> (i, budget, grow): see
- * _pass.pyi. */
-static PyObject *
-plan_running(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "plan_running(running, i, budget, now, block_size, scheduled)");
-        return NULL;
-    }
-    PyObject *running = args[0], *scheduled = args[5];
-    if (!PyList_Check(running) || !PyDict_Check(scheduled)) {
-        PyErr_SetString(PyExc_TypeError, "running must be a list and scheduled a dict");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t budget = PyLong_AsSsize_t(args[2]);
-    if (budget == -1 && PyErr_Occurred())
-        return NULL;
-    double now = PyFloat_AsDouble(args[3]);
-    if (now == -1.0 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    if (block_size == -1 && PyErr_Occurred())
-        return NULL;
-    int grow = 0;
-    while (i < PyList_GET_SIZE(running) && budget > 0) {
-        PyObject *seq = PyList_GET_ITEM(running, i);
-        Py_INCREF(seq);
-        PyObject *pending = PyObject_GetAttr(seq, s_pending_transfer);
-        int waiting = pending == NULL ? -1 : PyObject_IsTrue(pending);
-        Py_XDECREF(pending);
-        if (waiting < 0)
-            goto fail;
-        if (waiting) {
-            PyObject *ready = PyObject_GetAttr(seq, s_ready_at);
-            if (ready == NULL)
-                goto fail;
-            double at = PyFloat_AsDouble(ready);
-            Py_DECREF(ready);
-            if (at == -1.0 && PyErr_Occurred())
-                goto fail;
-            if (at > now) { /* its KV transfer has not landed yet */
-                Py_DECREF(seq);
-                i++;
-                continue;
-            }
-            if (PyObject_SetAttr(seq, s_pending_transfer, Py_False) < 0)
-                goto fail;
-        }
-        Py_ssize_t num_tokens = length_of(seq, s_tokens), computed, prefill_end;
-        if (num_tokens < 0 || get_ssize(seq, s_num_computed_tokens, &computed) < 0 ||
-            get_ssize(seq, s_prefill_end, &prefill_end) < 0)
-            goto fail;
-        if (computed >= prefill_end) {
-            Py_ssize_t full = length_of(seq, s_full_blocks);
-            Py_ssize_t unique = full < 0 ? -1 : length_of(seq, s_unique_blocks);
-            if (unique < 0)
-                goto fail;
-            if (num_tokens > block_size * (full + unique)) {
-                Py_DECREF(seq); /* a decode whose token starts a new block: the caller grows it */
-                grow = 1;
-                break;
-            }
-        }
-        i++;
-        Py_ssize_t n = num_tokens - computed;
-        if (n > budget)
-            n = budget;
-        PyObject *key = PyLong_FromVoidPtr(seq), *count = PyLong_FromSsize_t(n);
-        PyObject *entry = (key && count) ? PyTuple_Pack(2, seq, count) : NULL;
-        int r = entry ? PyDict_SetItem(scheduled, key, entry) : -1;
-        Py_XDECREF(key);
-        Py_XDECREF(count);
-        Py_XDECREF(entry);
-        if (r < 0)
-            goto fail;
-        budget -= n;
-        Py_DECREF(seq);
-        continue;
-    fail:
-        Py_DECREF(seq);
-        return NULL;
-    }
-    return Py_BuildValue("nnO", i, budget, grow ? Py_True : Py_False);
+    Py_XDECREF(events);
+    return result;
 }
 
 static PyMethodDef module_methods[] = {
     {"sample_tokens", (PyCFunction)(void (*)(void))sample_tokens, METH_FASTCALL,
      "sample_tokens(entries, vocab_size, excluded): the mocker's id for each sampling entry."},
-    {"advance", (PyCFunction)(void (*)(void))advance, METH_FASTCALL,
-     "advance(entries, sampled, block_size, caching, running, finished, length, stop, promote, "
-     "hash_fn): apply a pass's progress and tokens; (tokens, finished)."},
-    {"plan_running", (PyCFunction)(void (*)(void))plan_running, METH_FASTCALL,
-     "plan_running(running, i, budget, now, block_size, scheduled): schedule running "
-     "sequences from i until one must grow; (i, budget, grow)."},
+    {"schedule_pass", (PyCFunction)(void (*)(void))schedule_pass, METH_FASTCALL,
+     "schedule_pass(running, waiting, kv, config, now, transfer_seconds): plan and allocate "
+     "one pass; (entries, preempted, num_prefill_tokens, num_decodes, decode_context_tokens)."},
+    {"update_pass", (PyCFunction)(void (*)(void))update_pass, METH_FASTCALL,
+     "update_pass(entries, sampled, running, requests, kv, block_size): apply a pass; "
+     "(tokens, finished, events)."},
+    {"release_blocks", (PyCFunction)(void (*)(void))release_blocks, METH_FASTCALL,
+     "release_blocks(kv, seq): release a sequence's blocks and empty its block lists."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef pass_module = {
     PyModuleDef_HEAD_INIT, "dynamo.engine_core._pass",
-    "Native per-entry loops of a scheduler pass (see _pass.pyi).", -1, module_methods,
-    NULL, NULL, NULL, NULL,
+    "Native scheduler pass (see _pass.pyi).", -1, module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
 PyInit__pass(void)
 {
+    for (int k = 0; k < NFIELDS; k++)
+        if ((names[k] = PyUnicode_InternFromString(field_names[k])) == NULL)
+            return NULL;
 #define INTERN(var, text)                                                                     \
     if ((var = PyUnicode_InternFromString(text)) == NULL)                                    \
         return NULL;
-    INTERN(s_pending_transfer, "pending_transfer");
-    INTERN(s_ready_at, "ready_at");
-    INTERN(s_prefill_end, "prefill_end");
-    INTERN(s_tokens, "tokens");
-    INTERN(s_num_computed_tokens, "num_computed_tokens");
-    INTERN(s_rng_state, "rng_state");
-    INTERN(s_banned_token_ids, "banned_token_ids");
-    INTERN(s_status, "status");
-    INTERN(s_unique_blocks, "unique_blocks");
-    INTERN(s_full_blocks, "full_blocks");
-    INTERN(s_num_prompt_tokens, "num_prompt_tokens");
-    INTERN(s_max_tokens, "max_tokens");
-    INTERN(s_min_tokens, "min_tokens");
-    INTERN(s_stop_token_ids, "stop_token_ids");
-    INTERN(s_hash_seed, "hash_seed");
-    INTERN(s_local_hashes, "local_hashes");
-    INTERN(s_block_hashes, "block_hashes");
-    INTERN(s_finish_reason, "finish_reason");
-    INTERN(s_request_id, "request_id");
+    INTERN(s_num_cached_prefix, "num_cached_prefix");
+    INTERN(s_num_slots_needed, "num_slots_needed");
+    INTERN(s_num_available_blocks, "num_available_blocks");
+    INTERN(s_use, "use");
+    INTERN(s_allocate_unique, "allocate_unique");
+    INTERN(s_promote_run, "promote_run");
+    INTERN(s_release, "release");
+    INTERN(s_drain_events, "drain_events");
+    INTERN(s_enable_prefix_caching, "enable_prefix_caching");
+    INTERN(s_max_num_batched_tokens, "max_num_batched_tokens");
+    INTERN(s_block_size, "block_size");
+    INTERN(s_preemption_mode, "preemption_mode");
+    INTERN(s_max_num_seqs, "max_num_seqs");
+    INTERN(s_enable_chunked_prefill, "enable_chunked_prefill");
+    INTERN(s_popleft, "popleft");
+    INTERN(s_appendleft, "appendleft");
+    INTERN(s_num_cached_tokens, "num_cached_tokens");
 #undef INTERN
+    if ((s_announce_kw = Py_BuildValue("(s)", "announce")) == NULL)
+        return NULL;
     return PyModule_Create(&pass_module);
 }

@@ -1,10 +1,17 @@
 """Type stub of the native module ``dynamo.engine_core._pass`` (source: ``_pass.c``; the same
-contract in Python: ``_pass_fallback.py``). Import through ``dynamo.engine_core.pass_kernels``."""
+contract in Python: ``_pass_fallback.py``). Import through ``dynamo.engine_core.pass_kernels``.
 
+Both implementations mutate the same state: the scheduler's ``Sequence`` objects (fields as
+``sequence.py`` documents them), its running list and waiting deque, its request table and its
+``KVManager`` (through the manager's public methods, so either KV implementation works)."""
+
+from collections import deque
 from collections.abc import Callable
-from typing import Any
 
+from dynamo.engine_core.config import SchedulerLimits
+from dynamo.engine_core.kv_manager import KVManager
 from dynamo.engine_core.sequence import Sequence
+from dynamo.protocol.kv_events import KVCacheEvent
 
 def sample_tokens(
     entries: list[tuple[Sequence, int]], vocab_size: int, excluded: frozenset[int]
@@ -14,39 +21,56 @@ def sample_tokens(
     ``seq.rng_state`` and the position only: SplitMix64's finaliser, then an LCG walk past ids
     in ``excluded`` or ``seq.banned_token_ids`` (rejection sampling)."""
 
-def advance(
+def schedule_pass(
+    running: list[Sequence],
+    waiting: deque[Sequence],
+    kv: KVManager,
+    config: SchedulerLimits,
+    now: float,
+    transfer_seconds: Callable[[int], float],
+) -> tuple[list[tuple[Sequence, int]], list[Sequence], int, int, int]:
+    """Plan the pass starting at ``now`` (vLLM v1, FACTS §6.2) and apply its allocations.
+
+    ``running`` in order while the token budget (``config.max_num_batched_tokens``) lasts: a
+    sequence whose KV transfer lands after ``now`` is skipped (one whose transfer landed is
+    cleared of ``pending_transfer``); a decode whose token starts a new block takes one, and
+    when none is free the victim (``preemption_mode``: the last running, or the first) is
+    preempted (blocks released, progress reset, ``num_preemptions`` + 1, status waiting, moved
+    to the front of ``waiting``; its entry and budget are given back) until it fits or is the
+    victim itself. Without a preemption, ``waiting`` is admitted in FIFO order while budget and
+    ``max_num_seqs`` allow: its cached prefix found (unless ``reuse_prefix_cache`` is off; a
+    decode-side ``pending_transfer`` sequence has all but its last token's KV), blocks taken
+    for all its tokens (full at admission: the hits, or the whole received prompt, referenced
+    with ``use``, announced unless received; the rest private), ``num_computed_tokens``,
+    ``prefill_end``, ``num_cached_tokens`` (first admission only) and status set; it stops at
+    the first that does not fit (head of line). A received sequence waits
+    ``transfer_seconds(num_prompt_tokens)`` (``ready_at``) before it runs.
+
+    Each scheduled sequence gets its uncomputed tokens, capped by the budget left. Returns
+    ``(entries, preempted, num_prefill_tokens, num_decodes, decode_context_tokens)``: the
+    ``(sequence, tokens)`` entries in batch order, the preempted in order, and the batch's
+    figures (an entry past its ``prefill_end`` is a decode counting its ``len(tokens)`` as
+    context; the others count their tokens as prefill)."""
+
+def update_pass(
     entries: list[tuple[Sequence, int]],
     sampled: list[int | None],
-    block_size: int,
-    caching: bool,
-    running: Any,
-    finished_status: Any,
-    length: Any,
-    stop: Any,
-    promote: Callable[[Sequence], object],
-    hash_fn: Callable[[bytes, int], int],
-) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-    """Apply a pass to its entries, in order: skip a sequence whose ``status`` is not
-    ``running``; add ``n`` to ``num_computed_tokens``; with ``caching``, call ``promote(seq)``
-    when a private block's KV is now complete; when the sequence reached its end, append
-    ``sampled[i]`` (``Sequence.append_token``: a completed block is hashed with ``hash_fn``,
-    XXH3-64) and, if a stop rule fires (``max_tokens`` reached: ``length``; a stop id past
-    ``min_tokens``: ``stop``), set ``finish_reason`` and ``status = finished_status``.
-    Returns the appended ``(seq, token)`` pairs and the finished sequences, in batch order.
-    ``ValueError`` if an entry that reached its end has no token."""
-
-def plan_running(
     running: list[Sequence],
-    i: int,
-    budget: int,
-    now: float,
+    requests: dict[str, Sequence],
+    kv: KVManager,
     block_size: int,
-    scheduled: dict[int, tuple[Sequence, int]],
-) -> tuple[int, int, bool]:
-    """Schedule ``running[i:]`` in order while ``budget`` tokens remain: a sequence whose KV
-    transfer lands after ``now`` is skipped (one whose transfer landed is cleared of
-    ``pending_transfer``); each other one gets ``scheduled[id(seq)] = (seq, n)`` with ``n`` its
-    uncomputed tokens, capped by the budget, which ``n`` reduces. Stops before a decode whose
-    token starts a new block (it needs a block the caller allocates, preempting if it must).
-    Returns ``(i, budget, grow)``: the next index, the budget left, and whether it stopped for
-    such a decode (``running[i]``)."""
+) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]]:
+    """Apply a pass the engine ran, entry by entry in batch order: skip a sequence no longer
+    running (aborted while the pass ran); add ``n`` to ``num_computed_tokens``; with prefix
+    caching on, promote the private blocks whose KV is now complete (``kv.promote_run``);
+    when the sequence reached its end, append ``sampled[i]`` (a completed block is hashed as
+    ``router.hashing`` does: XXH3-64, chained) and apply its stop rules (``max_tokens``:
+    length; a stop id past ``min_tokens``: stop) to set ``finish_reason`` and status finished.
+    Then the finished release their blocks, leave ``requests`` and ``running`` (in place).
+    Returns ``(tokens, finished, events)``: the appended ``(seq, token)`` pairs, the finished
+    sequences (batch order), and the KV events the pass produced (``kv.drain_events()``).
+    ``ValueError`` if an entry that reached its end has no token, or the lengths differ."""
+
+def release_blocks(kv: KVManager, seq: Sequence) -> None:
+    """Release ``seq``'s blocks (``kv.release``) and empty its ``full_blocks`` and
+    ``unique_blocks``."""

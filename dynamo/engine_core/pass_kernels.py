@@ -1,7 +1,7 @@
-"""``plan_running``, ``sample_tokens`` and ``advance``, the per-entry loops of a scheduler
-pass: the native module (``_pass.c``) or its pure-Python fallback (``_pass_fallback.py``),
-chosen once by ``dynamo.native`` (``DYN_NATIVE``). The contract of both is ``_pass.pyi``;
-import from here.
+"""``schedule_pass`` and ``update_pass`` (one scheduler pass of one DP rank, each one call),
+``release_blocks`` and the mocker's ``sample_tokens``: the native module (``_pass.c``) or its
+pure-Python fallback (``_pass_fallback.py``), chosen once by ``dynamo.native``
+(``DYN_NATIVE``). The contract of both is ``_pass.pyi``; import from here.
 """
 
 from __future__ import annotations
@@ -10,13 +10,23 @@ from typing import TYPE_CHECKING
 
 from dynamo import native
 
-_impl = native.load("dynamo.engine_core._pass", "dynamo.engine_core._pass_fallback")
+_impl = native.load(
+    "dynamo.engine_core._pass",
+    "dynamo.engine_core._pass_fallback",
+    requires=("schedule_pass", "update_pass", "release_blocks"),
+)
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.engine_core._pass`` or ``dynamo.engine_core._pass_fallback``)."""
 
 if TYPE_CHECKING:
-    from dynamo.engine_core._pass import advance, plan_running, sample_tokens
+    from dynamo.engine_core._pass import (
+        release_blocks,
+        sample_tokens,
+        schedule_pass,
+        update_pass,
+    )
 else:
-    advance, plan_running, sample_tokens = _impl.advance, _impl.plan_running, _impl.sample_tokens
+    release_blocks, sample_tokens = _impl.release_blocks, _impl.sample_tokens
+    schedule_pass, update_pass = _impl.schedule_pass, _impl.update_pass
 
-__all__ = ["IMPLEMENTATION", "advance", "plan_running", "sample_tokens"]
+__all__ = ["IMPLEMENTATION", "release_blocks", "sample_tokens", "schedule_pass", "update_pass"]

@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from xxhash import xxh3_64_intdigest
-
 from dynamo.engine_core.config import SchedulerLimits
 from dynamo.engine_core.kv_manager import KVManager
-from dynamo.engine_core.pass_kernels import advance, plan_running
+from dynamo.engine_core.pass_kernels import release_blocks, schedule_pass, update_pass
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
@@ -159,180 +157,24 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         """Decide the pass starting at ``now``: admit, allocate, preempt. The caller runs the
-        batch, then calls ``update`` with what it sampled."""
-        out = ScheduledBatch(start=now)
-        budget = self.config.max_num_batched_tokens
-        bs = self.config.block_size
-        scheduled: dict[int, tuple[Sequence, int]] = {}
-        running = self._running
-        i = 0
-        while True:  # running requests first; the native loop hands back a decode that grows
-            i, budget, grow = plan_running(running, i, budget, now, bs, scheduled)
-            if not grow:
-                break
-            seq = running[i]
-            i += 1
-            while not self._grow(seq):
-                victim = self._victim()
-                if running.index(victim) < i:
-                    i -= 1
-                entry = scheduled.pop(id(victim), None)
-                budget += entry[1] if entry else 0
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
-            scheduled[id(seq)] = (seq, n)
-            budget -= n
-        if not out.preempted:
-            budget = self._admit_waiting(now, budget, scheduled)
-        out.entries = entries = list(scheduled.values())
-        prefill_tokens = decodes = context = 0
-        for seq, n in entries:
-            if seq.num_computed_tokens >= seq.prefill_end:
-                decodes += 1
-                context += len(seq.tokens)
-            else:
-                prefill_tokens += n
-        out.num_prefill_tokens, out.num_decodes, out.decode_context_tokens = (
-            prefill_tokens,
-            decodes,
-            context,
+        batch, then calls ``update`` with what it sampled. One kernel call (``schedule_pass``)."""
+        entries, preempted, prefill, decodes, context = schedule_pass(
+            self._running, self._waiting, self.kv, self.config, now, self.transfer_seconds
         )
-        return out
-
-    def _admit_waiting(
-        self, now: float, budget: int, scheduled: dict[int, tuple[Sequence, int]]
-    ) -> int:
-        cfg = self.config
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting[0]
-            if not self._allocate(seq, budget):
-                break  # head-of-line: later requests wait behind it (FIFO)
-            self._waiting.popleft()
-            self._running.append(seq)
-            if seq.pending_transfer:
-                seq.ready_at = now + self.transfer_seconds(seq.num_prompt_tokens)
-                if seq.ready_at > now:
-                    continue
-                seq.pending_transfer = False
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled[id(seq)] = (seq, n)
-            budget -= n
-        return budget
-
-    def _allocate(self, seq: Sequence, budget: int) -> bool:
-        """Admit ``seq``: find its cached prefix and take blocks for all its tokens (FACTS §6.2:
-        the whole prompt at the first chunk). False (nothing changed) if it cannot start now."""
-        cfg, bs, n_tokens = self.config, self.config.block_size, seq.num_tokens
-        if seq.pending_transfer:
-            computed = n_tokens - 1  # KV arrives from the prefill worker; recompute the last one
-        else:
-            hit = self.kv.num_cached_prefix(seq.block_hashes) if seq.reuse_prefix_cache else 0
-            computed = min(hit * bs, n_tokens - 1)  # like vLLM, always compute >= 1 token
-        new_tokens = n_tokens - computed
-        if not cfg.enable_chunked_prefill and budget < new_tokens <= cfg.max_num_batched_tokens:
-            # Wait for a pass with room. Larger ones (recomputes after a preemption) are chunked
-            # anyway: no pass could ever hold them.
-            return False
-        # Full (shared) at admission: only blocks whose KV is there (cache hits, or the whole
-        # transferred prompt); the rest are private until computed, then promoted.
-        if not cfg.enable_prefix_caching:
-            n_full = 0
-        elif seq.pending_transfer:
-            n_full = n_tokens // bs
-        else:
-            n_full = -(-computed // bs)
-        n_unique = -(-n_tokens // bs) - n_full
-        full, local = seq.block_hashes[:n_full], seq.local_hashes[:n_full]
-        if self.kv.num_slots_needed(full, n_unique) > self.kv.num_available_blocks:
-            return False
-        if full:
-            # Blocks received from a prefill worker are not announced: routers only index what
-            # this worker computed (the prefill worker owns the prompt's KV, FACTS §9.1).
-            self.kv.use(full, local, announce=not seq.pending_transfer)
-        unique = self.kv.allocate_unique(n_unique)
-        assert unique is not None  # room was checked above
-        seq.full_blocks, seq.unique_blocks = full, unique
-        seq.num_computed_tokens = computed
-        seq.prefill_end = computed if seq.pending_transfer else n_tokens
-        if seq.num_cached_tokens is None:
-            # A received prompt reports the prefill worker's prefix hit as its cached tokens.
-            handoff = seq.handoff
-            seq.num_cached_tokens = (
-                handoff.num_cached_tokens if seq.pending_transfer and handoff else computed
-            )
-        seq.status = SequenceStatus.RUNNING
-        return True
-
-    def _grow(self, seq: Sequence) -> bool:
-        """Make room for the token a decode computes (a new tail block at a block boundary)."""
-        missing = -(-seq.num_tokens // self.config.block_size) - seq.num_held_blocks
-        if missing <= 0:
-            return True
-        ids = self.kv.allocate_unique(missing)
-        if ids is None:
-            return False
-        seq.unique_blocks.extend(ids)
-        return True
-
-    def _victim(self) -> Sequence:
-        return self._running[-1] if self.config.preemption_mode == "lifo" else self._running[0]
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free the blocks (they stay cached), reset progress, requeue at the front."""
-        self._running.remove(seq)
-        self._free(seq)
-        seq.num_computed_tokens = seq.prefill_end = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self._waiting.appendleft(seq)
+        return ScheduledBatch(now, entries, preempted, prefill, decodes, context)
 
     def _free(self, seq: Sequence) -> None:
-        self.kv.release(seq.full_blocks, seq.unique_blocks)
-        seq.full_blocks, seq.unique_blocks = [], []
+        release_blocks(self.kv, seq)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> UpdateResult:
         """Apply a pass the engine ran: advance every entry, store the blocks it filled, append
         the token of each sampling entry (``sampled[i]`` for ``batch.entries[i]``; ``None``
-        for entries that do not sample) and retire the finished."""
-        tokens, finished = advance(
-            batch.entries,
-            sampled,
-            self.config.block_size,
-            self.config.enable_prefix_caching,
-            SequenceStatus.RUNNING,
-            SequenceStatus.FINISHED,
-            FinishReason.LENGTH,
-            FinishReason.STOP,
-            self._promote_filled,
-            xxh3_64_intdigest,  # router.hashing's block hash (FACTS §1), for completed blocks
+        for entries that do not sample) and retire the finished. One kernel call
+        (``update_pass``)."""
+        tokens, finished, events = update_pass(
+            batch.entries, sampled, self._running, self._requests, self.kv, self.config.block_size
         )
-        out = UpdateResult(tokens, finished)
-        if finished:
-            for seq in finished:
-                self._free(seq)
-                del self._requests[seq.request_id]
-            running = SequenceStatus.RUNNING
-            self._running = [s for s in self._running if s.status is running]
-        out.events = self.kv.drain_events()
-        return out
-
-    def _promote_filled(self, seq: Sequence) -> None:
-        """Private tail blocks whose KV is complete become shareable full blocks."""
-        bs = self.config.block_size
-        k = len(seq.full_blocks)
-        n = min(seq.num_computed_tokens // bs - k, len(seq.unique_blocks))
-        if n <= 0:
-            return
-        hashes = seq.block_hashes[k : k + n]
-        parent = seq.block_hashes[k - 1] if k else None
-        self.kv.promote_run(seq.unique_blocks[:n], hashes, seq.local_hashes[k : k + n], parent)
-        del seq.unique_blocks[:n]
-        seq.full_blocks.extend(hashes)
+        return UpdateResult(tokens, finished, events)
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

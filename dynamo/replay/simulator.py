@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
@@ -116,8 +117,9 @@ class Simulation:
         self._sessions = sessions
         self._warmup = warmup
         self._decode_text = decode_text
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, Any]] = []
         self._counter = itertools.count()
+        self._events = 0  # events processed in the current phase (a pass started inline counts)
         self.now = 0.0
         self.flights: list[Flight] = []
         self._by_id: dict[str, Flight] = {}
@@ -199,7 +201,8 @@ class Simulation:
         )
         gen.start()
         heap, pop, timeouts = self._heap, heapq.heappop, self._timeouts
-        events = 0
+        pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
+        self._events = 0
         while heap or timeouts:
             if timeouts and (not heap or timeouts[0][0] < heap[0][0]):
                 when, flight = timeouts.popleft()
@@ -209,22 +212,20 @@ class Simulation:
                 continue
             when, kind, _, payload = pop(heap)
             self.now = when
-            events += 1
+            self._events += 1
+            # the payload's type follows from kind (_push / _schedule_send)
             if kind == _PASS_END:
-                assert isinstance(payload, Rank)
-                self._pass_end(payload)
+                pass_end(payload)
             elif kind == _PASS_START:
-                assert isinstance(payload, Rank)
-                self._pass_start(payload)
+                pass_start(payload)
             else:
-                assert payload is None or isinstance(payload, Runner)
-                gen.wake(payload)
+                wake(payload)
         for flight in [*self._by_id.values()]:  # nothing left to run them: never completes
             flight.record.end = self.now
             flight.record.error = "incomplete"
             flight.record.error_message = "the simulation ended with the request unfinished"
             self._abandon(flight)
-        return events
+        return self._events
 
     # -- requests ---------------------------------------------------------------------------
     def _send(self, spec: RequestSpec, runner: Runner, load: LoadGenerator) -> None:
@@ -402,9 +403,9 @@ class Simulation:
         pool = rank.pool
         core = pool.core
         if core is not None and out.events:
-            worker_id = rank.worker_id
+            worker_id, apply = rank.worker_id, core.apply_event
             for event in out.events:
-                core.apply_event(worker_id, event)
+                apply(worker_id, event)
         by_id = self._by_id
         prefill_pool = pool.role == "prefill"
         if not prefill_pool:
@@ -440,13 +441,23 @@ class Simulation:
             if self._decode_text is not None:
                 record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
             self._finish(flight)
-        if rank.sched.has_work:
-            rank.state = SCHEDULED
-            self._push(now, _PASS_START, rank)
-        else:
+        if not rank.sched.has_work:
             rank.state = IDLE
+            if core is not None and not prefill_pool:
+                self._release_held()  # prefills completed, requests ended: capacity for the held
+            return
+        # The next pass starts now, after every arrival and pass end of this instant and after
+        # the pass starts already due (its place in the FIFO is taken here, as a push would).
+        rank.state = SCHEDULED
+        order = next(self._counter)
         if core is not None and not prefill_pool:
-            self._release_held()  # prefills completed, requests ended: capacity for the held
+            self._release_held()
+        heap = self._heap
+        if heap and heap[0][0] <= now:  # more is due at this instant: the pass waits its turn
+            heapq.heappush(heap, (now, _PASS_START, order, rank))
+        else:  # nothing else is due now: the pop would be the very next event
+            self._events += 1
+            self._pass_start(rank)
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: Rank) -> None:
         """Disaggregation: the prompt's KV is ready on the prefill worker; it moves to the

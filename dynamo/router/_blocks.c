@@ -464,6 +464,80 @@ fail:
     return NULL;
 }
 
+/* new_blocks(tables, hashes): for each table, the blocks of a request (its block hashes, in
+ * order) outside the trie the table holds: len(hashes) - the depth of the longest prefix of the
+ * request that is a node there. The tables hold whole trie paths (add_prefixes of requests),
+ * so the nodes of the request's path present in a table are exactly a leading run of it: the
+ * walk from the root stops at the first absent node, one probe for a table that holds none of
+ * the request (count_absent over of_prefixes probes every block of every table). */
+static PyObject *
+new_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "new_blocks(tables, hashes)");
+        return NULL;
+    }
+    PyObject *tables = PySequence_Fast(args[0], "new_blocks() takes a sequence of BlockCounts");
+    if (tables == NULL) {
+        return NULL;
+    }
+    PyObject *hashes = PySequence_Fast(args[1], "new_blocks() takes an iterable of int");
+    if (hashes == NULL) {
+        Py_DECREF(tables);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(tables);
+    uint64_t stack_keys[128];
+    uint64_t *keys = n <= 128 ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    PyObject *out = NULL;
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t key, parent = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (as_key(PySequence_Fast_GET_ITEM(hashes, k), &key) < 0) {
+            goto done;
+        }
+        keys[k] = parent = chain(parent, key);
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tables, j);
+        if (!PyObject_TypeCheck(t, &BlockCountsType)) {
+            PyErr_Format(PyExc_TypeError, "new_blocks() takes BlockCounts, not %.100s",
+                         Py_TYPE(t)->tp_name);
+            goto done;
+        }
+    }
+    out = PyList_New(m);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const BlockCounts *t = (const BlockCounts *)PySequence_Fast_GET_ITEM(tables, j);
+        Py_ssize_t depth = 0;
+        if (t->used != 0) {
+            while (depth < n && t->slots[find(t, keys[depth])].count != 0) {
+                depth++;
+            }
+        }
+        PyObject *value = PyLong_FromSsize_t(n - depth);
+        if (value == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, j, value);
+    }
+done:
+    if (keys != stack_keys) {
+        PyMem_Free(keys);
+    }
+    Py_DECREF(hashes);
+    Py_DECREF(tables);
+    return out;
+}
+
 /* ---------------------------------------------------------- from a JSON array of ints */
 
 static inline const char *
@@ -808,6 +882,9 @@ static PyTypeObject BlockCountsType = {
 static PyMethodDef module_methods[] = {
     {"prefix_keys", (PyCFunction)prefix_keys, METH_O,
      "prefix_keys(hashes): [the unsigned prefix key of each position of hashes]."},
+    {"new_blocks", (PyCFunction)(void (*)(void))new_blocks, METH_FASTCALL,
+     "new_blocks(tables, hashes): per table (holding whole trie paths), the blocks of hashes "
+     "past the longest prefix of them that is a node there."},
     {NULL, NULL, 0, NULL},
 };
 

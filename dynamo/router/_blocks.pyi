@@ -1,6 +1,6 @@
 """Type stub of the native module ``dynamo.router._blocks`` (source: ``_blocks.c``)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from msgspec import Raw
 
@@ -49,4 +49,13 @@ def prefix_keys(hashes: Iterable[int]) -> list[int]:
 
     A key names the whole prefix ``hashes[:i+1]`` (a trie node); the chain is seeded per
     process, so keys are only comparable within one process and one implementation.
+    """
+
+def new_blocks(tables: Sequence[BlockCounts], hashes: Iterable[int]) -> list[int]:
+    """Per table, the blocks of a request (``hashes``, in order) outside the trie it holds:
+    ``len(hashes)`` minus the depth of the longest prefix of them that is a node there.
+
+    The tables must hold whole trie paths (``add_prefixes``; ``ActiveSequences`` does): the
+    request's nodes present in one are then a leading run, and the walk stops at the first
+    absent one. Equals ``table.count_absent(BlockCounts.of_prefixes(hashes))`` on such tables.
     """

@@ -10,7 +10,7 @@ use the native module's chain function with their own per-process seed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Final
 
 import msgspec
@@ -56,6 +56,25 @@ def prefix_keys(hashes: Iterable[int]) -> list[int]:
     if not isinstance(hashes, Iterable):
         raise TypeError("prefix_keys() takes an iterable of int")
     return list(_prefixes(hashes))
+
+
+def new_blocks(tables: Sequence[BlockCounts], hashes: Iterable[int]) -> list[int]:
+    """Per table (holding whole trie paths), the blocks of ``hashes`` past the longest prefix
+    of them that is a node there (``_blocks.c``'s walk from the root)."""
+    keys = prefix_keys(hashes)
+    n = len(keys)
+    out: list[int] = []
+    for table in tables:
+        if not isinstance(table, BlockCounts):
+            raise TypeError(f"new_blocks() takes BlockCounts, not {type(table).__name__}")
+    for table in tables:
+        counts = table._counts  # noqa: SLF001 - the same module's table
+        depth = 0
+        if counts:
+            while depth < n and (keys[depth] * _SCRAMBLE) & _U64 in counts:
+                depth += 1
+        out.append(n - depth)
+    return out
 
 
 class BlockCounts:

@@ -125,6 +125,96 @@ done:
     return out;
 }
 
+/* The tie loop's draws: rng.randrange(k) for the k-th tie. For a plain random.Random (its
+ * type exactly, no instance attribute shadowing the methods involved) randrange(k) is
+ * _randbelow_with_getrandbits(k): getrandbits(k.bit_length()) until a value below k; calling
+ * the C getrandbits here makes the same calls on the generator, hence the same draws and the
+ * same state after, without three Python frames per tie (with 100 idle workers tied, the
+ * router's choice was ~50 µs of them). Any other rng: its randrange, as the fallback does. */
+static PyObject *random_type; /* random.Random */
+
+typedef struct {
+    PyObject *getrandbits; /* the fast path's bound method, or NULL */
+    PyObject *randrange;   /* otherwise */
+} Tie;
+
+static int
+plain_random(PyObject *rng)
+{
+    if (random_type == NULL || (PyObject *)Py_TYPE(rng) != random_type)
+        return 0;
+    PyObject *dict = PyObject_GenericGetDict(rng, NULL);
+    if (dict == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    static const char *const shadowing[] = {"randrange", "_randbelow", "getrandbits"};
+    int plain = 1;
+    for (size_t k = 0; k < sizeof shadowing / sizeof *shadowing; k++) {
+        PyObject *hit = PyDict_GetItemString(dict, shadowing[k]);
+        if (hit != NULL)
+            plain = 0;
+    }
+    Py_DECREF(dict);
+    return plain;
+}
+
+static int
+tie_init(Tie *tie, PyObject *rng)
+{
+    if (plain_random(rng))
+        tie->getrandbits = PyObject_GetAttrString(rng, "getrandbits");
+    else
+        tie->randrange = PyObject_GetAttrString(rng, "randrange");
+    return tie->getrandbits == NULL && tie->randrange == NULL ? -1 : 0;
+}
+
+/* A draw in [0, k) as rng.randrange(k) makes it; -1 with an exception set on failure. */
+static long
+tie_draw(Tie *tie, Py_ssize_t k)
+{
+    if (tie->getrandbits != NULL) {
+        int bits = 0;
+        for (unsigned long long v = (unsigned long long)k; v != 0; v >>= 1)
+            bits++;
+        PyObject *nbits = PyLong_FromLong(bits);
+        if (nbits == NULL)
+            return -1;
+        unsigned long long r;
+        do {
+            PyObject *got = PyObject_CallOneArg(tie->getrandbits, nbits);
+            if (got == NULL) {
+                Py_DECREF(nbits);
+                return -1;
+            }
+            r = PyLong_AsUnsignedLongLong(got);
+            Py_DECREF(got);
+            if (r == (unsigned long long)-1 && PyErr_Occurred()) {
+                Py_DECREF(nbits);
+                return -1;
+            }
+        } while (r >= (unsigned long long)k);
+        Py_DECREF(nbits);
+        return (long)r;
+    }
+    PyObject *arg = PyLong_FromSsize_t(k);
+    if (arg == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(tie->randrange, arg);
+    Py_DECREF(arg);
+    if (r == NULL)
+        return -1;
+    long draw = PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (draw == -1 && PyErr_Occurred())
+        return -1;
+    if (draw < 0 || draw >= k) {
+        PyErr_SetString(PyExc_ValueError, "rng.randrange(k) returned a value outside [0, k)");
+        return -1;
+    }
+    return draw;
+}
+
 static PyObject *
 argmin_random_tie(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -135,7 +225,7 @@ argmin_random_tie(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seq = PySequence_Fast(args[0], "values must be a sequence of floats");
     if (seq == NULL)
         return NULL;
-    PyObject *randrange = NULL;
+    Tie tie = {NULL, NULL};
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), chosen = 0, ties = 0;
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     double best = INFINITY;
@@ -149,29 +239,23 @@ argmin_random_tie(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             ties = 1;
         } else if (c == best) {
             ties++;
-            if (randrange == NULL && (randrange = PyObject_GetAttrString(args[1], "randrange")) == NULL)
+            if (tie.getrandbits == NULL && tie.randrange == NULL && tie_init(&tie, args[1]) < 0)
                 goto fail;
-            PyObject *k = PyLong_FromSsize_t(ties);
-            if (k == NULL)
-                goto fail;
-            PyObject *r = PyObject_CallOneArg(randrange, k);
-            Py_DECREF(k);
-            if (r == NULL)
-                goto fail;
-            long draw = PyLong_AsLong(r);
-            Py_DECREF(r);
-            if (draw == -1 && PyErr_Occurred())
+            long draw = tie_draw(&tie, ties);
+            if (draw < 0)
                 goto fail;
             if (draw == 0)
                 chosen = i;
         }
     }
     Py_DECREF(seq);
-    Py_XDECREF(randrange);
+    Py_XDECREF(tie.getrandbits);
+    Py_XDECREF(tie.randrange);
     return PyLong_FromSsize_t(chosen);
 fail:
     Py_DECREF(seq);
-    Py_XDECREF(randrange);
+    Py_XDECREF(tie.getrandbits);
+    Py_XDECREF(tie.randrange);
     return NULL;
 }
 
@@ -193,5 +277,12 @@ static struct PyModuleDef cost_module = {
 PyMODINIT_FUNC
 PyInit__cost(void)
 {
+    PyObject *random = PyImport_ImportModule("random");
+    if (random == NULL)
+        return NULL;
+    random_type = PyObject_GetAttrString(random, "Random");
+    Py_DECREF(random);
+    if (random_type == NULL)
+        return NULL;
     return PyModule_Create(&cost_module);
 }

@@ -11,14 +11,17 @@ from typing import TYPE_CHECKING
 
 from dynamo import native
 
-_impl = native.load("dynamo.router._blocks", "dynamo.router._blocks_fallback")
+_impl = native.load(
+    "dynamo.router._blocks", "dynamo.router._blocks_fallback", requires=("new_blocks",)
+)
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.router._blocks`` or ``dynamo.router._blocks_fallback``)."""
 
 if TYPE_CHECKING:
-    from dynamo.router._blocks import BlockCounts, prefix_keys
+    from dynamo.router._blocks import BlockCounts, new_blocks, prefix_keys
 else:
     BlockCounts = _impl.BlockCounts
+    new_blocks = _impl.new_blocks
     prefix_keys = _impl.prefix_keys
 
-__all__ = ["IMPLEMENTATION", "BlockCounts", "prefix_keys"]
+__all__ = ["IMPLEMENTATION", "BlockCounts", "new_blocks", "prefix_keys"]

@@ -259,7 +259,8 @@ class RoutingCore:
             cost=costs[i],
             overlap_blocks=overlap[i],
             cached_tokens=min(overlap[i] * bs, max(isl_tokens, 0)),
-            costs=dict(zip(keys, costs, strict=True)),
+            scored=keys,
+            scores=costs,
         )
 
     def _candidates(

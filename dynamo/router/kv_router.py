@@ -245,7 +245,7 @@ class KVRouter:
                 None,
                 None,
             )
-            among = None if pinned else [overlaps.get(key, 0) for key in chosen.costs]
+            among = None if pinned else [overlaps.get(key, 0) for key in chosen.scored]
             self.series.routed(isl, chosen.overlap_blocks, self.block_size, among)
         return Selection(chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost)
 

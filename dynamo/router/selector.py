@@ -120,11 +120,18 @@ class Selection:
     cost: float
     overlap_blocks: int  # device blocks of the request already cached on the chosen target
     cached_tokens: int  # min(overlap_blocks * block_size, isl): the predicted KV hit
-    costs: dict[WorkerKey, float]  # every scored candidate's cost (lower is better)
+    scored: Sequence[WorkerKey]  # every scored candidate, in scoring order
+    scores: Sequence[float]  # their costs, same order (lower is better)
 
     @property
     def key(self) -> WorkerKey:
         return (self.worker_id, self.dp_rank)
+
+    @property
+    def costs(self) -> dict[WorkerKey, float]:
+        """Every scored candidate's cost, built on demand (a router with 100 workers routes
+        far more often than anyone reads this)."""
+        return dict(zip(self.scored, self.scores, strict=True))
 
 
 def is_busy(c: Candidate, cfg: SelectorConfig) -> bool:
@@ -194,7 +201,8 @@ def select_worker(
         cost=costs[i],
         overlap_blocks=chosen.overlap_blocks,
         cached_tokens=min(chosen.overlap_blocks * block_size, max(isl_tokens, 0)),
-        costs={c.key: cost for c, cost in zip(eligible, costs, strict=True)},
+        scored=[c.key for c in eligible],
+        scores=costs,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router.block_counts import BlockCounts, prefix_keys
+from dynamo.router.block_counts import BlockCounts, new_blocks, prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class ActiveSequences:
         "_ranks",
         "_rank_list",
         "_requests",
+        "_columns_for",
     )
 
     def __init__(
@@ -170,6 +171,9 @@ class ActiveSequences:
         self._ranks: dict[WorkerRank, _Rank] = {}
         self._rank_list: list[_Rank] = []  # iteration order of the load queries
         self._requests: dict[str, _Request] = {}  # insertion order == arrival order
+        # load_columns' last ``keys`` (the router passes the same list until its membership
+        # changes), resolved to their ranks and block tables; reset when ranks come or go.
+        self._columns_for: tuple[Sequence[WorkerRank], list[_Rank], list[BlockCounts]] | None = None
 
     # ---------------------------------------------------------------- topology
 
@@ -189,6 +193,7 @@ class ActiveSequences:
                 rank = _Rank(worker_id, dp_rank)
                 self._ranks[key] = rank
                 self._rank_list.append(rank)
+                self._columns_for = None
 
     def remove_worker(self, worker_id: int, dp_ranks: Iterable[int] | None = None) -> list[str]:
         """Stop tracking ``worker_id`` (all its ranks, or only ``dp_ranks``); frees its requests.
@@ -207,6 +212,7 @@ class ActiveSequences:
         for rank in gone:
             del self._ranks[(rank.worker_id, rank.dp_rank)]
         self._rank_list = [rank for rank in self._rank_list if rank not in gone]
+        self._columns_for = None
         return freed
 
     def has_rank(self, worker_id: int, dp_rank: int) -> bool:
@@ -355,12 +361,21 @@ class ActiveSequences:
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """``project_loads`` as columns, for the tracked ranks ``keys`` in that order (KeyError
         for one that is not tracked): active prefill tokens, active decode blocks, the
-        request's blocks new there, active requests. Read-only."""
-        table = self._ranks
-        ranks = [table[key] for key in keys]
+        request's blocks new there, active requests. Read-only.
+
+        ``keys`` is resolved once and reused while the caller passes the same list object and
+        no rank comes or goes: the caller must not mutate it in place."""
+        cached = self._columns_for
+        if cached is not None and cached[0] is keys:
+            ranks, tables = cached[1], cached[2]
+        else:
+            table = self._ranks
+            ranks = [table[key] for key in keys]
+            tables = [rank.blocks for rank in ranks]
+            self._columns_for = (keys, ranks, tables)
         if self._assume_kv_reuse:
-            query = BlockCounts.of_prefixes(sequence_hashes)
-            new = [rank.blocks.count_absent(query) for rank in ranks]
+            # the rank's trie holds whole paths: the request's blocks past its deepest node
+            new = new_blocks(tables, sequence_hashes)
         else:
             new = [len(sequence_hashes)] * len(ranks)
         return (

@@ -15,11 +15,12 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.e2e.frontend.frontend_stack import Stack, request, wait_http  # noqa: E402
-from tests.tiny_models import build, hf_greedy  # noqa: E402
+from tests.tiny_models import TEST_DEVICE, build, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 COMMON = ["--kv-cache-memory", "16MiB", "--torch-threads", "1", "--dtype", "float32"]
+COMMON += ["--device", TEST_DEVICE]
 
 
 def completion(port: int, model: str, prompt: list[int]) -> list[int]:

@@ -30,7 +30,7 @@ from tests.e2e.frontend.frontend_stack import (  # noqa: E402
     wait_instances,
 )
 from tests.e2e.processes import Child, free_port  # noqa: E402
-from tests.tiny_models import build, hf_greedy  # noqa: E402
+from tests.tiny_models import TEST_DEVICE, build, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 _enc = msgspec.msgpack.Encoder()
@@ -55,6 +55,8 @@ async def test_pytorch_worker_process(
             "16MiB",
             "--torch-threads",
             "1",
+            "--device",
+            TEST_DEVICE,
             "--system-port",
             "0",
             "--system-host",
@@ -94,7 +96,8 @@ def test_dynamo_serve_engine_pytorch(tmp_path_factory: pytest.TempPathFactory) -
     serve = Child(
         ["-m", "dynamo.cli", "serve", "--engine", "pytorch", "--model-path", str(model)]
         + ["--model-name", "tiny", "--workers", "1", "--http-host", "127.0.0.1"]
-        + ["--http-port", str(port), "--kv-cache-memory", "16MiB", "--torch-threads", "1"],
+        + ["--http-port", str(port), "--kv-cache-memory", "16MiB", "--torch-threads", "1"]
+        + ["--device", TEST_DEVICE],
         child_env(),
     )
     try:

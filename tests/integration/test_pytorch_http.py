@@ -22,7 +22,7 @@ from dynamo.backend.worker import Worker  # noqa: E402
 from dynamo.pytorch.__main__ import build_worker  # noqa: E402
 from dynamo.pytorch.config import TorchEngineConfig  # noqa: E402
 from tests.integration.conftest import RUNTIME, Stack  # noqa: E402
-from tests.tiny_models import build, hf_greedy  # noqa: E402
+from tests.tiny_models import TEST_DEVICE, build, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +48,7 @@ async def add_worker(
         "block_size": BS,
         "num_gpu_blocks_override": 256,
         "max_num_batched_tokens": 48,  # prompts above this are chunked
+        "device": TEST_DEVICE,
     }
     settings.update(overrides)
     worker = build_worker(

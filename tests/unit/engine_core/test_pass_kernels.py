@@ -1,26 +1,30 @@
-"""engine_core/_pass.c and its fallback (``_pass_fallback.py``): the per-entry loops of a pass.
+"""engine_core/_pass.c and its fallback (``_pass_fallback.py``): the scheduler pass and the
+mocker's sampler.
 
-The fallback is the reference: it calls ``Sequence.append_token`` / ``finish_after`` and the
-sampler's formula as they were written in Python. Each case runs both implementations on twin
-sequences (same construction) and compares every output and every field the loops touch; the
-native module is skipped where it is not built.
+The fallback is the reference: it is the scheduler's policy as it was written in Python
+(``Sequence.append_token`` / ``finish_after``, the sampler's formula). Each case runs both
+implementations on twins (same construction, same random operations: admissions, aborts,
+passes, under block pressure that preempts, with and without prefix caching and chunked
+prefill, LIFO and FIFO preemption, decode-side transfers) and compares every output, every KV
+event and every field of every sequence; the native module is skipped where it is not built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import pytest
-from xxhash import xxh3_64_intdigest
 
-from dynamo.engine_core import _pass_fallback
+from dynamo.engine_core import _pass_fallback, scheduler
+from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
+from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
-from dynamo.router.hashing import local_block_hashes, sequence_hashes
 
 BS = 4
 
@@ -100,132 +104,172 @@ def test_sample_tokens_depends_only_on_seed_and_position(native: ModuleType) -> 
     assert native.sample_tokens([(b, 1)], 1000, frozenset()) != first  # the next position
 
 
-def run_both(
-    native: ModuleType, seed: int, count: int, *, caching: bool = True
-) -> tuple[Any, Any, list[list[Sequence]]]:
-    outs, twins, promoted = [], [], []
-    for impl in (_pass_fallback, native):
-        rng = random.Random(seed)
-        seqs = [make(i, rng) for i in range(count)]
-        for s in seqs[::5]:
-            s.status = SequenceStatus.FINISHED  # aborted while the pass ran: skipped
-        entries = [(s, rng.randrange(1, 6)) for s in seqs]
-        sampled: list[int | None] = [rng.choice([rng.randrange(50), 3]) for _ in seqs]
-        calls: list[Sequence] = []
-        for s in seqs[2::4]:
-            s.max_tokens = 1  # the next token is the last one
-        for s in seqs[1::3]:
-            s.unique_blocks = [1]  # a private tail: promote is asked for once it is computed
-        outs.append(
-            impl.advance(
-                entries,
-                sampled,
-                BS,
-                caching,
-                SequenceStatus.RUNNING,
-                SequenceStatus.FINISHED,
-                FinishReason.LENGTH,
-                FinishReason.STOP,
-                calls.append,
-                xxh3_64_intdigest,
-            )
-        )
-        twins.append(seqs)
-        promoted.append([s.request_id for s in calls])
-    assert promoted[0] == promoted[1]
-    assert bool(promoted[0]) == caching
-    return outs[0], outs[1], twins
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The limits of one random scheduler (``SchedulerLimits``)."""
+
+    block_size: int = BS
+    num_gpu_blocks: int = 40
+    max_num_seqs: int = 6
+    max_num_batched_tokens: int = 24
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "lifo"
+    disaggregation_mode: str = "agg"
+    max_model_len: int = 1000
+
+    @property
+    def total_kv_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_advance_matches_the_fallback(native: ModuleType, caching: bool) -> None:
-    reasons = set()
-    for seed in range(30):
-        want, got, (a, b) = run_both(native, seed, 25, caching=caching)
-        assert [(s.request_id, t) for s, t in got[0]] == [(s.request_id, t) for s, t in want[0]]
-        assert [s.request_id for s in got[1]] == [s.request_id for s in want[1]]
-        assert [fields(s) for s in b] == [fields(s) for s in a]
-        reasons |= {s.finish_reason for s in want[1]}
-    assert reasons == {FinishReason.LENGTH, FinishReason.STOP}  # both stop rules were exercised
+class Transfers(Scheduler):
+    """Decode-side KV transfers take 0 or 1.5 s, by prompt length."""
+
+    def transfer_seconds(self, num_prompt_tokens: int) -> float:
+        return 1.5 if num_prompt_tokens % 3 else 0.0
 
 
-def test_advance_hashes_completed_blocks_as_the_router_does(native: ModuleType) -> None:
-    seq = make(0, random.Random(3))
-    seq.tokens[:] = list(range(7))
-    seq.local_hashes = local_block_hashes(seq.tokens, BS)
-    seq.block_hashes = sequence_hashes(seq.local_hashes)
-    seq.num_computed_tokens, seq.max_tokens, seq.stop_token_ids = 6, 100, frozenset()
-    _call(native, [(seq, 1)], [41])
-    assert seq.tokens == [*range(7), 41]
-    assert seq.local_hashes == local_block_hashes(seq.tokens, BS)
-    assert seq.block_hashes == sequence_hashes(seq.local_hashes)
-
-
-def _call(impl: ModuleType, entries: list[tuple[Sequence, int]], sampled: list[int | None]) -> Any:
-    promote: Callable[[Sequence], None] = lambda s: None  # noqa: E731
-    return impl.advance(
-        entries,
-        sampled,
-        BS,
-        True,
-        SequenceStatus.RUNNING,
-        SequenceStatus.FINISHED,
-        FinishReason.LENGTH,
-        FinishReason.STOP,
-        promote,
-        xxh3_64_intdigest,
+def seq_fields(seq: Sequence) -> tuple[Any, ...]:
+    return (
+        seq.request_id,
+        list(seq.tokens),
+        list(seq.local_hashes),
+        list(seq.block_hashes),
+        list(seq.full_blocks),
+        list(seq.unique_blocks),
+        seq.num_computed_tokens,
+        seq.prefill_end,
+        seq.num_cached_tokens,
+        seq.num_preemptions,
+        seq.pending_transfer,
+        seq.ready_at,
+        seq.status,
+        seq.finish_reason,
     )
 
 
+def drive(impl: ModuleType, seed: int, shape: Shape, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """A random life of one scheduler on ``impl``'s kernels: everything observable, in order."""
+    for name in ("schedule_pass", "update_pass", "release_blocks"):
+        monkeypatch.setattr(scheduler, name, getattr(impl, name))
+    rng = random.Random(seed)
+    sched = Transfers(shape)
+    groups = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
+    log: list[Any] = []
+    seqs: list[Sequence] = []
+    now = 0.0
+    for step in range(60):
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            prompt = rng.choice(groups) + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
+            request = PreprocessedRequest(
+                model="m",
+                token_ids=prompt,
+                stop=StopConditions(
+                    max_tokens=rng.randrange(1, 40),
+                    stop_token_ids=rng.sample(range(50), rng.randrange(0, 3)),
+                ),
+                eos_token_ids=[3],
+                sampling=SamplingOptions(seed=rng.randrange(1 << 20)),
+            )
+            seq = sequence_from_request(shape, request, f"r{len(seqs)}", now)
+            seq.reuse_prefix_cache = rng.random() < 0.9
+            if rng.random() < 0.15:  # a decode-side request: its prompt's KV is transferred
+                seq.handoff = DisaggregatedParams(prefill_worker_id=1, num_cached_tokens=3)
+                seq.pending_transfer = True
+            sched.enqueue(seq)
+            seqs.append(seq)
+        if seqs and rng.random() < 0.08:
+            log.append(("abort", sched.abort(rng.choice(seqs).request_id)))
+        batch = sched.schedule(now)
+        sampled = _pass_fallback.sample_tokens(batch.entries, 50, frozenset())
+        result = sched.update(batch, sampled)
+        log.append(
+            (
+                step,
+                [(s.request_id, n) for s, n in batch.entries],
+                [s.request_id for s in batch.preempted],
+                batch.num_prefill_tokens,
+                batch.num_decodes,
+                batch.decode_context_tokens,
+                [(s.request_id, t) for s, t in result.tokens],
+                [s.request_id for s in result.finished],
+                msgspec.json.encode(result.events),
+                [s.request_id for s in sched._running],  # noqa: SLF001
+                [s.request_id for s in sched._waiting],  # noqa: SLF001
+            )
+        )
+        sched.check_invariants()
+        now += rng.choice([0.0, 0.5, 1.0])
+    log.append([seq_fields(s) for s in seqs])
+    return log
+
+
+SHAPES = [
+    Shape(),
+    Shape(preemption_mode="fifo", num_gpu_blocks=24),
+    Shape(enable_prefix_caching=False),
+    Shape(enable_chunked_prefill=False, max_num_batched_tokens=40),
+    Shape(num_gpu_blocks=200, max_num_seqs=3, block_size=8),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.preemption_mode}-{s.num_gpu_blocks}")
+def test_scheduler_pass_matches_the_fallback(
+    native: ModuleType, shape: Shape, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = {"preempted": 0, "finished": 0, "events": 0}
+    for seed in range(12):
+        want = drive(_pass_fallback, seed, shape, monkeypatch)
+        got = drive(native, seed, shape, monkeypatch)
+        assert got == want
+        for row in want[:-1]:
+            if row[0] != "abort":
+                seen["preempted"] += len(row[2])
+                seen["finished"] += len(row[7])
+                seen["events"] += row[8] != b"[]"
+    assert seen["finished"] > 50
+    if shape.num_gpu_blocks < 100:
+        assert seen["preempted"] > 0  # the pressure path was exercised
+    assert (seen["events"] > 0) == shape.enable_prefix_caching
+
+
 @pytest.mark.parametrize("impl", ["fallback", "native"])
-def test_advance_refuses_a_missing_token_and_a_length_mismatch(
+def test_update_pass_refuses_a_missing_token_and_a_length_mismatch(
     native: ModuleType, impl: str
 ) -> None:
     module = native if impl == "native" else _pass_fallback
-    seq = make(0, random.Random(4))
-    seq.num_computed_tokens = seq.num_tokens - 1
+    sched = Scheduler(Shape())
+    seq = sched.add_request(
+        PreprocessedRequest(model="m", token_ids=[1, 2, 3], stop=StopConditions(max_tokens=2)),
+        "r0",
+        0.0,
+    )
+    batch = sched.schedule(0.0)
+    args = (sched._running, sched._requests, sched.kv, BS)  # noqa: SLF001
     with pytest.raises(ValueError, match="no token sampled for 'r0'"):
-        _call(module, [(seq, 1)], [None])
+        module.update_pass(batch.entries, [None], *args)
     with pytest.raises(ValueError, match="one item per batch entry"):
-        _call(module, [(seq, 1)], [])
+        module.update_pass(batch.entries, [], *args)
+    assert seq.status is SequenceStatus.RUNNING
 
 
-def running_twins(seed: int, count: int) -> list[list[Sequence]]:
-    """Twin running lists: prefills, decodes (some at a block boundary, so they must grow) and
-    decode-side sequences waiting for their KV transfer."""
-    out = []
-    for _ in range(2):
-        rng = random.Random(seed)
-        seqs = [make(i, rng) for i in range(count)]
-        for s in seqs:
-            if rng.random() < 0.6:  # a decode: its KV is computed up to its last token
-                s.num_computed_tokens = s.prefill_end = s.num_tokens - 1
-            held = -(-s.num_tokens // BS) - rng.choice([0, 0, 1])  # short of one: must grow
-            s.unique_blocks = list(range(max(0, held)))
-            if rng.random() < 0.2:
-                s.pending_transfer, s.ready_at = True, rng.choice([0.5, 2.0])
-        out.append(seqs)
-    return out
+def test_update_pass_hashes_completed_blocks_as_the_router_does(native: ModuleType) -> None:
+    from dynamo.router.hashing import local_block_hashes, sequence_hashes
 
-
-def test_plan_running_matches_the_fallback(native: ModuleType) -> None:
-    grows = skipped = 0
-    for seed in range(40):
-        a, b = running_twins(seed, 12)
-        budget = random.Random(seed).choice([3, 20, 200])
-        results = []
-        for impl, seqs in ((_pass_fallback, a), (native, b)):
-            scheduled: dict[int, tuple[Sequence, int]] = {}
-            i, left, stops = 0, budget, []
-            while True:  # walk it all, as the scheduler does, without growing anything
-                i, left, grow = impl.plan_running(seqs, i, left, 1.0, BS, scheduled)
-                stops.append((i, left, grow))
-                if not grow:
-                    break
-                i += 1
-            plan = [(s.request_id, n) for s, n in scheduled.values()]
-            results.append((stops, plan, [s.pending_transfer for s in seqs]))
-        assert results[0] == results[1]
-        grows += len(results[0][0]) - 1
-        skipped += sum(results[0][2])
-    assert grows > 20 and skipped > 5  # both exits were exercised
+    for module in (_pass_fallback, native):
+        sched = Scheduler(Shape(enable_prefix_caching=False))
+        seq = sched.add_request(
+            PreprocessedRequest(
+                model="m", token_ids=list(range(7)), stop=StopConditions(max_tokens=5)
+            ),
+            "r0",
+            0.0,
+        )
+        batch = sched.schedule(0.0)
+        module.update_pass(batch.entries, [41], sched._running, sched._requests, sched.kv, BS)  # noqa: SLF001
+        assert seq.tokens == [*range(7), 41]
+        assert seq.local_hashes == local_block_hashes(seq.tokens, BS)
+        assert seq.block_hashes == sequence_hashes(seq.local_hashes)
+        assert seq.finish_reason is None
+        assert FinishReason.LENGTH.value == "length"

@@ -28,14 +28,18 @@ from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import KVTransferFailed
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import TEST_DEVICE, hf_greedy
 
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
 
 
 def engine_config(model: Path, mode: str) -> TorchEngineConfig:
     return TorchEngineConfig(
-        model_path=str(model), block_size=16, num_gpu_blocks_override=64, disaggregation_mode=mode
+        model_path=str(model),
+        block_size=16,
+        num_gpu_blocks_override=64,
+        disaggregation_mode=mode,
+        device=TEST_DEVICE,
     )
 
 
@@ -67,6 +71,7 @@ async def test_decode_engine_pulls_what_it_lacks_and_matches_aggregated(
             block_size=16,
             num_gpu_blocks_override=64,
             disaggregation_mode=mode,
+            device=TEST_DEVICE,
         )
 
     agent_p = KVTransferAgent(rt_p, None)

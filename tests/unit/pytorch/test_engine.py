@@ -26,7 +26,7 @@ from dynamo.router.hashing import local_block_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.runtime.context import Context
 from dynamo.runtime.errors import InvalidArgument
-from tests.tiny_models import hf_greedy, hf_prompt_logprobs
+from tests.tiny_models import TEST_DEVICE, hf_greedy, hf_prompt_logprobs
 
 BS = 16
 
@@ -37,6 +37,7 @@ def engine(model: Path, **kw: object) -> TorchEngine:
         "block_size": BS,
         "num_gpu_blocks_override": 64,
         "max_num_batched_tokens": 96,
+        "device": TEST_DEVICE,
     }
     cfg.update(kw)
     return TorchEngine(TorchEngineConfig(**cfg))  # type: ignore[arg-type]
@@ -313,7 +314,9 @@ async def test_guided_decoding_seam(tiny_llama: Path) -> None:
         return made[-1]
 
     eng = TorchEngine(
-        TorchEngineConfig(model_path=str(tiny_llama), num_gpu_blocks_override=64),
+        TorchEngineConfig(
+            model_path=str(tiny_llama), num_gpu_blocks_override=64, device=TEST_DEVICE
+        ),
         constraint_factory=factory,
     )
     await eng.start(1)

@@ -31,22 +31,23 @@ from hypothesis.stateful import (
 )
 
 from dynamo.router import _blocks_fallback
-from dynamo.router.block_counts import BlockCounts, prefix_keys
+from dynamo.router.block_counts import BlockCounts, new_blocks, prefix_keys
 
 IMPLEMENTATIONS = ["dynamo.router._blocks", "dynamo.router._blocks_fallback"]
 
 
 @pytest.fixture(scope="module", autouse=True, params=IMPLEMENTATIONS, ids=["native", "fallback"])
 def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Binds this module's ``BlockCounts`` and ``prefix_keys`` to one implementation."""
-    global BlockCounts, prefix_keys
+    """Binds this module's ``BlockCounts``, ``new_blocks`` and ``prefix_keys`` to one
+    implementation."""
+    global BlockCounts, new_blocks, prefix_keys
     module = pytest.importorskip(request.param)  # the native one may not be built here
-    saved = BlockCounts, prefix_keys
-    BlockCounts, prefix_keys = module.BlockCounts, module.prefix_keys
+    saved = BlockCounts, new_blocks, prefix_keys
+    BlockCounts, new_blocks, prefix_keys = module.BlockCounts, module.new_blocks, module.prefix_keys
     try:
         yield request.param
     finally:
-        BlockCounts, prefix_keys = saved
+        BlockCounts, new_blocks, prefix_keys = saved
 
 
 U64 = 2**64 - 1
@@ -730,6 +731,48 @@ def test_prefix_tables_count_trie_nodes(seqs: list[list[int]], query: list[int],
     for s in gone:
         table.remove_prefixes(s)
     assert sorted(c for _, c in table.items()) == sorted(trie_nodes(kept).values())
+
+
+@given(
+    tables=st.lists(SEQS, min_size=0, max_size=4),
+    query=st.lists(st.integers(-3, 4), max_size=7),
+    drop=st.integers(0, 8),
+)
+@settings(max_examples=100)
+def test_new_blocks_walks_each_trie(
+    tables: list[list[list[int]]], query: list[int], drop: int
+) -> None:
+    """``new_blocks`` on tables of whole paths (added and partly removed) equals
+    ``count_absent`` of the query's prefix keys, per table, for the query and for each path
+    extended by it (long shared prefixes)."""
+    held = []
+    for seqs in tables:
+        table = BlockCounts()
+        for s in seqs:
+            table.add_prefixes(s)
+        for s in seqs[:drop]:
+            table.remove_prefixes(s)
+        held.append(table)
+    probes = [query, *(s + query for seqs in tables for s in seqs)]
+    for probe in probes:
+        want = [t.count_absent(BlockCounts.of_prefixes(probe)) for t in held]
+        assert new_blocks(held, probe) == want
+        assert new_blocks(tuple(held), tuple(probe)) == want
+
+
+def test_new_blocks_long_requests_and_bad_input() -> None:
+    long = list(range(300))  # past the native walk's on-stack key buffer
+    table = BlockCounts()
+    table.add_prefixes(long[:200])
+    assert new_blocks([table, BlockCounts()], long) == [100, 300]
+    assert new_blocks([table], []) == [0]
+    assert new_blocks([], long) == []
+    with pytest.raises(TypeError):
+        new_blocks([table, {1: 1}], [1])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        new_blocks([table], ["x"])  # type: ignore[list-item]
+    with pytest.raises(OverflowError):
+        new_blocks([table], [2**64])
 
 
 def test_prefix_keys_name_whole_prefixes() -> None:

@@ -57,6 +57,32 @@ def test_ties_draw_as_the_python_loop_does(native: ModuleType) -> None:
     assert native.argmin_random_tie([], random.Random(0)) == 0
 
 
+class _Shadowed(random.Random):
+    """A generator whose randrange is its own: the tie loop must call it, not getrandbits."""
+
+    def randrange(self, *args: object, **kwargs: object) -> int:  # type: ignore[override]
+        self.calls += 1
+        return 0
+
+    calls = 0
+
+
+def test_many_ties_draw_as_randrange_does(native: ModuleType) -> None:
+    """Every candidate tied (100 idle workers): the native loop's getrandbits draws give the
+    index and generator state of ``randrange``'s, for plain generators only."""
+    for n in (2, 3, 100, 257):
+        for seed in range(5):
+            a, b = random.Random(seed), random.Random(seed)
+            assert native.argmin_random_tie([1.0] * n, a) == py.argmin_random_tie([1.0] * n, b)
+            assert a.getstate() == b.getstate()
+    sub = _Shadowed(1)
+    assert native.argmin_random_tie([1.0] * 5, sub) == 4  # randrange -> 0: the last tie wins
+    assert sub.calls == 4
+    plain = random.Random(1)
+    plain.randrange = lambda k: 0  # type: ignore[method-assign]  # an instance override
+    assert native.argmin_random_tie([1.0] * 5, plain) == 4
+
+
 @pytest.mark.parametrize("module", ["native", "fallback"])
 def test_bad_input_is_refused(native: ModuleType, module: str) -> None:
     impl = native if module == "native" else py

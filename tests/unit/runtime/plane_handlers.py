@@ -11,6 +11,19 @@ from dynamo.runtime.errors import InvalidArgument
 EP = "ns.comp.generate"
 
 
+async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
+    """Every body of a response stream (5 s at most)."""
+    async with asyncio.timeout(5):
+        return [body async for body in it]
+
+
+async def wait_for(predicate: object, timeout: float = 2.0) -> None:
+    """Poll ``predicate()`` until it is true (``timeout`` seconds at most)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
 class Recorder:
     """Server-side observations: the handler's contexts, how far it got, whether it finished."""
 

@@ -22,7 +22,7 @@ from dynamo.runtime.request_plane.local import (
     LocalRequestPlaneClient,
     LocalRequestPlaneServer,
 )
-from tests.unit.runtime.plane_handlers import EP, Recorder
+from tests.unit.runtime.plane_handlers import EP, Recorder, collect, wait_for
 
 
 @pytest.fixture
@@ -49,17 +49,6 @@ async def server(hub: LocalHub, rec: Recorder) -> AsyncIterator[LocalRequestPlan
 @pytest.fixture
 def client(hub: LocalHub) -> LocalRequestPlaneClient:
     return LocalRequestPlaneClient(hub)
-
-
-async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
-    async with asyncio.timeout(5):
-        return [body async for body in it]
-
-
-async def wait_for(predicate: object, timeout: float = 2.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
 
 
 async def test_stream_in_order(

@@ -25,7 +25,7 @@ from dynamo.runtime.request_plane.tcp import (
     parse_address,
 )
 from dynamo.runtime.request_plane.tcp_connection import FrameWriter
-from tests.unit.runtime.plane_handlers import EP, Recorder
+from tests.unit.runtime.plane_handlers import EP, Recorder, collect, wait_for
 
 
 @pytest.fixture
@@ -51,17 +51,6 @@ async def client() -> AsyncIterator[TCPRequestPlaneClient]:
     cli = TCPRequestPlaneClient(max_frame_size=64 * 1024)
     yield cli
     await cli.close()
-
-
-async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
-    async with asyncio.timeout(5):
-        return [body async for body in it]
-
-
-async def wait_for(predicate: object, timeout: float = 2.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
 
 
 # -- streams and errors ---------------------------------------------------------------------
