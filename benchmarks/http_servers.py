@@ -89,6 +89,7 @@ CANDIDATES: dict[str, list[str]] = {
         "--no-access-log",
         f"{APPS}.starlette_app:app",
     ],  # fmt: skip
+    "dynamo-front": [PY, "-m", f"{APPS}.dynamo_front", "{port}"],
     "aiohttp": [PY, "-m", f"{APPS}.aiohttp_app", "{port}"],
     "raw-httptools (reference)": [PY, "-m", f"{APPS}.raw_httptools", "{port}"],
     # Control: Nagle deliberately left on, to show the NODELAY probe and stall counter work.

@@ -19,6 +19,7 @@ from dynamo.frontend.config import FrontendConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.observability.logging import configure_logging
 from dynamo.observability.tracing import setup_tracing
+from dynamo.preprocess.tokenizer import serial_tokenization
 from dynamo.runtime.config import RuntimeConfig
 from dynamo.runtime.runtime import InProcessHub
 from dynamo.serve_args import ServePlan
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 def serve_in_process(serve_plan: ServePlan) -> int:
     """Run the validated plan in this process (the planes' flags do not apply here)."""
+    serial_tokenization()
     configure_logging(getattr(serve_plan.args, "both:log_level", None))
     setup_tracing("dynamo-serve")
     runtime_config = RuntimeConfig(

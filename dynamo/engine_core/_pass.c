@@ -1195,6 +1195,44 @@ done:
     return result;
 }
 
+/* mock_pass(running, waiting, requests, kv, config, now, transfer_seconds, vocab_size,
+ *           excluded): see _pass.pyi. */
+static PyObject *
+mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "mock_pass(running, waiting, requests, kv, config, now, "
+                        "transfer_seconds, vocab_size, excluded)");
+        return NULL;
+    }
+    PyObject *running = args[0], *waiting = args[1], *requests = args[2], *kv = args[3];
+    PyObject *config = args[4];
+    PyObject *sargs[6] = {running, waiting, kv, config, args[5], args[6]};
+    PyObject *planned = schedule_pass(module, sargs, 6), *sampled = NULL, *applied = NULL;
+    PyObject *block_size = NULL, *result = NULL;
+    if (planned == NULL)
+        return NULL;
+    PyObject *entries = PyTuple_GET_ITEM(planned, 0);
+    PyObject *pargs[3] = {entries, args[7], args[8]};
+    if ((sampled = sample_tokens(module, pargs, 3)) == NULL ||
+        (block_size = PyObject_GetAttr(config, s_block_size)) == NULL)
+        goto done;
+    PyObject *uargs[6] = {entries, sampled, running, requests, kv, block_size};
+    if ((applied = update_pass(module, uargs, 6)) == NULL)
+        goto done;
+    result = PyTuple_Pack(7, PyTuple_GET_ITEM(planned, 1), PyTuple_GET_ITEM(planned, 2),
+                          PyTuple_GET_ITEM(planned, 3), PyTuple_GET_ITEM(planned, 4),
+                          PyTuple_GET_ITEM(applied, 0), PyTuple_GET_ITEM(applied, 1),
+                          PyTuple_GET_ITEM(applied, 2));
+done:
+    Py_DECREF(planned);
+    Py_XDECREF(sampled);
+    Py_XDECREF(block_size);
+    Py_XDECREF(applied);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"sample_tokens", (PyCFunction)(void (*)(void))sample_tokens, METH_FASTCALL,
      "sample_tokens(entries, vocab_size, excluded): the mocker's id for each sampling entry."},
@@ -1204,6 +1242,10 @@ static PyMethodDef module_methods[] = {
     {"update_pass", (PyCFunction)(void (*)(void))update_pass, METH_FASTCALL,
      "update_pass(entries, sampled, running, requests, kv, block_size): apply a pass; "
      "(tokens, finished, events)."},
+    {"mock_pass", (PyCFunction)(void (*)(void))mock_pass, METH_FASTCALL,
+     "mock_pass(running, waiting, requests, kv, config, now, transfer_seconds, vocab_size, "
+     "excluded): schedule, sample and apply one mocker pass; (preempted, num_prefill_tokens, "
+     "num_decodes, decode_context_tokens, tokens, finished, events)."},
     {"release_blocks", (PyCFunction)(void (*)(void))release_blocks, METH_FASTCALL,
      "release_blocks(kv, seq): release a sequence's blocks and empty its block lists."},
     {NULL, NULL, 0, NULL},

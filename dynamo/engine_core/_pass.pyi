@@ -71,6 +71,24 @@ def update_pass(
     sequences (batch order), and the KV events the pass produced (``kv.drain_events()``).
     ``ValueError`` if an entry that reached its end has no token, or the lengths differ."""
 
+def mock_pass(
+    running: list[Sequence],
+    waiting: deque[Sequence],
+    requests: dict[str, Sequence],
+    kv: KVManager,
+    config: SchedulerLimits,
+    now: float,
+    transfer_seconds: Callable[[int], float],
+    vocab_size: int,
+    excluded: frozenset[int],
+) -> tuple[
+    list[Sequence], int, int, int, list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]
+]:
+    """One whole mocker pass in one call: ``schedule_pass``, ``sample_tokens`` over its
+    entries, ``update_pass`` with those ids. Returns ``(preempted, num_prefill_tokens,
+    num_decodes, decode_context_tokens, tokens, finished, events)``: what the caller acts on
+    (its timing model takes the three figures)."""
+
 def release_blocks(kv: KVManager, seq: Sequence) -> None:
     """Release ``seq``'s blocks (``kv.release``) and empty its ``full_blocks`` and
     ``unique_blocks``."""

@@ -195,6 +195,29 @@ def _preempt(
     waiting.appendleft(seq)
 
 
+def mock_pass(
+    running: list[Sequence],
+    waiting: deque[Sequence],
+    requests: dict[str, Sequence],
+    kv: KVManager,
+    config: SchedulerLimits,
+    now: float,
+    transfer_seconds: Callable[[int], float],
+    vocab_size: int,
+    excluded: frozenset[int],
+) -> tuple[
+    list[Sequence], int, int, int, list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]
+]:
+    entries, preempted, prefill, decodes, context = schedule_pass(
+        running, waiting, kv, config, now, transfer_seconds
+    )
+    sampled = sample_tokens(entries, vocab_size, excluded)
+    tokens, finished, events = update_pass(
+        entries, sampled, running, requests, kv, config.block_size
+    )
+    return preempted, prefill, decodes, context, tokens, finished, events
+
+
 def release_blocks(kv: KVManager, seq: Sequence) -> None:
     """Release the blocks of ``seq`` and empty its block lists."""
     kv.release(seq.full_blocks, seq.unique_blocks)

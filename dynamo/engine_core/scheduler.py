@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dynamo.engine_core.config import SchedulerLimits
 from dynamo.engine_core.kv_manager import KVManager
-from dynamo.engine_core.pass_kernels import release_blocks, schedule_pass, update_pass
+from dynamo.engine_core.pass_kernels import mock_pass, release_blocks, schedule_pass, update_pass
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.protocol.load import WorkerLoad
@@ -175,6 +175,33 @@ class Scheduler:
             batch.entries, sampled, self._running, self._requests, self.kv, self.config.block_size
         )
         return UpdateResult(tokens, finished, events)
+
+    def mock_pass(
+        self, now: float, vocab_size: int, excluded: frozenset[int]
+    ) -> tuple[
+        list[Sequence],
+        int,
+        int,
+        int,
+        list[tuple[Sequence, int]],
+        list[Sequence],
+        list[KVCacheEvent],
+    ]:
+        """``schedule(now)``, the mocker's ids for the batch (``sample_tokens`` with
+        ``vocab_size`` / ``excluded``) and ``update`` in one kernel call, for an engine that
+        needs no batch in between (the mocker). Returns ``(preempted, num_prefill_tokens,
+        num_decodes, decode_context_tokens, tokens, finished, events)``."""
+        return mock_pass(
+            self._running,
+            self._waiting,
+            self._requests,
+            self.kv,
+            self.config,
+            now,
+            self.transfer_seconds,
+            vocab_size,
+            excluded,
+        )
 
     # -- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

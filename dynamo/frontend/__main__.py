@@ -12,6 +12,7 @@ from dynamo.frontend.app import FrontendService
 from dynamo.frontend.config import FrontendConfig
 from dynamo.observability.logging import add_log_flag, configure_logging
 from dynamo.observability.tracing import setup_tracing
+from dynamo.preprocess.tokenizer import serial_tokenization
 from dynamo.runtime.heap import settle_after_start
 
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    serial_tokenization()
     try:
         configure_logging(args.log_level)
         setup_tracing("dynamo-frontend")

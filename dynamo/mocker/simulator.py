@@ -56,22 +56,16 @@ class MockerScheduler(Scheduler):
         return self.timing.transfer_seconds(num_prompt_tokens)
 
     def step(self, now: float) -> StepOutput:
-        """Schedule, time and apply one forward pass starting at ``now``."""
-        batch = self.schedule(now)
-        out = StepOutput(
-            start=now,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decodes=batch.num_decodes,
-            decode_context_tokens=batch.decode_context_tokens,
-            preempted=batch.preempted,
+        """Schedule, time and apply one forward pass starting at ``now`` (one kernel call:
+        ``Scheduler.mock_pass``)."""
+        sampler = self._sampler
+        preempted, prefill, decodes, context, tokens, finished, events = self.mock_pass(
+            now, sampler.vocab_size, sampler.excluded
         )
-        out.duration = self.timing.pass_seconds(
-            batch.num_prefill_tokens, batch.decode_context_tokens, batch.num_decodes
+        duration = self.timing.pass_seconds(prefill, context, decodes)
+        return StepOutput(
+            now, duration, prefill, decodes, context, tokens, finished, preempted, events
         )
-        sampled = self._sampler.sample_batch(batch.entries)
-        result = self.update(batch, sampled)
-        out.tokens, out.finished, out.events = result.tokens, result.finished, result.events
-        return out
 
 
 class TokenSampler:
@@ -90,6 +84,15 @@ class TokenSampler:
             raise ValueError("every vocabulary id is excluded")
         self._vocab_size = vocab_size
         self._excluded = excluded
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def excluded(self) -> frozenset[int]:
+        """Ids never sampled (the special tokens)."""
+        return self._excluded
 
     def sample_batch(self, entries: list[tuple[Sequence, int]]) -> list[int | None]:
         """The next id of each batch entry ``(seq, n)`` that samples in this pass (it reaches

@@ -149,9 +149,19 @@ def seq_fields(seq: Sequence) -> tuple[Any, ...]:
     )
 
 
-def drive(impl: ModuleType, seed: int, shape: Shape, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """A random life of one scheduler on ``impl``'s kernels: everything observable, in order."""
-    for name in ("schedule_pass", "update_pass", "release_blocks"):
+def drive(
+    impl: ModuleType,
+    seed: int,
+    shape: Shape,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    fused: bool = False,
+    plans: list[Any] | None = None,
+) -> list[Any]:
+    """A random life of one scheduler on ``impl``'s kernels: everything observable, in order
+    (each pass's batch into ``plans``). ``fused``: each pass is one ``mock_pass`` call."""
+    plans = [] if plans is None else plans
+    for name in ("schedule_pass", "update_pass", "release_blocks", "mock_pass"):
         monkeypatch.setattr(scheduler, name, getattr(impl, name))
     rng = random.Random(seed)
     sched = Transfers(shape)
@@ -181,24 +191,39 @@ def drive(impl: ModuleType, seed: int, shape: Shape, monkeypatch: pytest.MonkeyP
             seqs.append(seq)
         if seqs and rng.random() < 0.08:
             log.append(("abort", sched.abort(rng.choice(seqs).request_id)))
-        batch = sched.schedule(now)
-        sampled = _pass_fallback.sample_tokens(batch.entries, 50, frozenset())
-        result = sched.update(batch, sampled)
+        if fused:  # the mocker's one call
+            preempted, prefill, decodes, context, tokens, finished, events = sched.mock_pass(
+                now, 50, frozenset()
+            )
+            planned: list[tuple[str, int]] | None = None
+        else:
+            batch = sched.schedule(now)
+            sampled = _pass_fallback.sample_tokens(batch.entries, 50, frozenset())
+            result = sched.update(batch, sampled)
+            preempted, tokens, finished, events = (
+                batch.preempted,
+                result.tokens,
+                result.finished,
+                result.events,
+            )
+            prefill, decodes = batch.num_prefill_tokens, batch.num_decodes
+            context = batch.decode_context_tokens
+            planned = [(s.request_id, n) for s, n in batch.entries]
         log.append(
             (
                 step,
-                [(s.request_id, n) for s, n in batch.entries],
-                [s.request_id for s in batch.preempted],
-                batch.num_prefill_tokens,
-                batch.num_decodes,
-                batch.decode_context_tokens,
-                [(s.request_id, t) for s, t in result.tokens],
-                [s.request_id for s in result.finished],
-                msgspec.json.encode(result.events),
+                [s.request_id for s in preempted],
+                prefill,
+                decodes,
+                context,
+                [(s.request_id, t) for s, t in tokens],
+                [s.request_id for s in finished],
+                msgspec.json.encode(events),
                 [s.request_id for s in sched._running],  # noqa: SLF001
                 [s.request_id for s in sched._waiting],  # noqa: SLF001
             )
         )
+        plans.append(planned)
         sched.check_invariants()
         now += rng.choice([0.0, 0.5, 1.0])
     log.append([seq_fields(s) for s in seqs])
@@ -220,14 +245,18 @@ def test_scheduler_pass_matches_the_fallback(
 ) -> None:
     seen = {"preempted": 0, "finished": 0, "events": 0}
     for seed in range(12):
-        want = drive(_pass_fallback, seed, shape, monkeypatch)
-        got = drive(native, seed, shape, monkeypatch)
+        plans: list[list[Any]] = [[], []]
+        want = drive(_pass_fallback, seed, shape, monkeypatch, plans=plans[0])
+        got = drive(native, seed, shape, monkeypatch, plans=plans[1])
         assert got == want
+        assert plans[0] == plans[1]
+        for fused_impl in (_pass_fallback, native):  # the mocker's single call: the same life
+            assert drive(fused_impl, seed, shape, monkeypatch, fused=True) == want
         for row in want[:-1]:
             if row[0] != "abort":
-                seen["preempted"] += len(row[2])
-                seen["finished"] += len(row[7])
-                seen["events"] += row[8] != b"[]"
+                seen["preempted"] += len(row[1])
+                seen["finished"] += len(row[6])
+                seen["events"] += row[7] != b"[]"
     assert seen["finished"] > 50
     if shape.num_gpu_blocks < 100:
         assert seen["preempted"] > 0  # the pressure path was exercised

@@ -11,7 +11,7 @@ from mocker_sim import BlockSetSubscriber, make_request
 
 from dynamo.backend.testing import check_engine
 from dynamo.mocker.config import MockerConfig
-from dynamo.mocker.engine import MockerEngine
+from dynamo.mocker.engine import LOAD_INTERVAL_S, MockerEngine
 from dynamo.mocker.timing import VirtualClock, decode_ms, prefill_ms
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
@@ -193,12 +193,16 @@ async def test_dp_rank_hint_and_sinks() -> None:
         fast(data_parallel_size=2, block_size=16), kv_event_sink=kv_sink, load_sink=load_sink
     )
     try:
+        await asyncio.sleep(LOAD_INTERVAL_S)  # past the announcement's interval: loads go out
         requests: list[PreprocessedRequest] = []
         for i in range(6):
             req = make_request(40 + i, 20, start=1 + 50 * (i % 3))
             req.routing = RoutingHints(dp_rank=1)
             requests.append(req)
         await asyncio.gather(*(collect(engine.generate(r, Context())) for r in requests))
+        async with asyncio.timeout(2):  # the idle load follows within the interval
+            while loads[-1].num_running:
+                await asyncio.sleep(0.005)
         assert not engine.schedulers[0].kv.cached_blocks()
         assert batches and all(b.worker_id == 0xABC for b in batches)
         sub = BlockSetSubscriber()
@@ -210,6 +214,34 @@ async def test_dp_rank_hint_and_sinks() -> None:
         assert loads[0].total_blocks == 16384 and loads[0].num_running == 0
         assert {ld.dp_rank for ld in loads[2:]} == {1} and loads[-1].active_decode_blocks == 0
         assert any(ld.num_running > 0 for ld in loads)
+    finally:
+        await engine.cleanup()
+
+
+async def test_load_goes_out_at_most_every_interval_and_settles_when_idle() -> None:
+    """Busy, a rank's load (here changing every pass: one block per token) goes out at most
+    every LOAD_INTERVAL_S of the engine's clock; the load it settles at goes out at once."""
+    clock = VirtualClock()
+    sent: list[tuple[float, WorkerLoad]] = []
+
+    async def load_sink(load: WorkerLoad) -> None:
+        sent.append((clock.now(), load))
+
+    engine = await started(MockerConfig(block_size=1), clock=clock, load_sink=load_sink)
+    try:
+        outs = await collect(engine.generate(make_request(1024, 40), Context()))
+        assert sum(len(o.token_ids) for o in outs) == 40
+        await settle(engine)
+        await asyncio.sleep(0)  # the loop publishes before it waits
+        times = [t for t, _ in sent]
+        busy = [ld for _, ld in sent if ld.num_running]
+        assert 3 <= len(busy) < 40 * decode_ms(1064, 16384 * 64) / 1000 / LOAD_INTERVAL_S + 2
+        # every message of the busy rank follows the previous one by the interval at least
+        gaps = [b - a for a, b in zip(times[1:-1], times[2:-1], strict=False)]
+        assert all(g >= LOAD_INTERVAL_S for g in gaps), gaps
+        assert len({ld.active_decode_blocks for ld in busy}) == len(busy)  # each one a change
+        last = sent[-1][1]
+        assert last.num_running == 0 and last.active_decode_blocks == 0
     finally:
         await engine.cleanup()
 

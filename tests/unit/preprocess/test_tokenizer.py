@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import codecs
+import os
 import random
 
 import pytest
 
 from dynamo.preprocess import Tokenizer, demo_model_path
+from dynamo.preprocess.tokenizer import PARALLELISM_ENV, serial_tokenization
 
 TEXTS = [
     "Hello, world!",
@@ -43,6 +45,22 @@ def test_special_tokens_in_text_are_single_tokens(demo_tokenizer: Tokenizer) -> 
 
 def test_encode_batch(demo_tokenizer: Tokenizer) -> None:
     assert demo_tokenizer.encode_batch(TEXTS) == [demo_tokenizer.encode(t) for t in TEXTS]
+
+
+def test_serial_tokenization_keeps_an_explicit_setting_and_the_ids(
+    demo_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chat = "<|start_header_id|>user<|end_header_id|>\n\n" + " ".join(TEXTS) + "<|eot_id|>"
+    texts = [*TEXTS, chat] * 3
+    monkeypatch.setenv(PARALLELISM_ENV, "true")
+    serial_tokenization()
+    assert demo_tokenizer.encode_batch(texts) == [demo_tokenizer.encode(t) for t in texts]
+    pooled = demo_tokenizer.encode_batch(texts)
+    assert os.environ[PARALLELISM_ENV] == "true"  # the caller's choice stands
+    monkeypatch.delenv(PARALLELISM_ENV)
+    serial_tokenization()
+    assert os.environ[PARALLELISM_ENV] == "false"
+    assert demo_tokenizer.encode_batch(texts) == pooled  # the library reads it at every call
 
 
 def test_vocabulary_lookups(demo_tokenizer: Tokenizer) -> None:
