@@ -89,6 +89,7 @@ CANDIDATES: dict[str, list[str]] = {
         "--no-access-log",
         f"{APPS}.starlette_app:app",
     ],  # fmt: skip
+    "dynamo-front": [PY, "-m", f"{APPS}.dynamo_front", "{port}"],
     "aiohttp": [PY, "-m", f"{APPS}.aiohttp_app", "{port}"],
     "raw-httptools (reference)": [PY, "-m", f"{APPS}.raw_httptools", "{port}"],
     # Control: Nagle deliberately left on, to show the NODELAY probe and stall counter work.
@@ -341,7 +342,6 @@ def bench_server(name: str, cmd: list[str], duration: int, repeats: int, lua: st
 def bench_json(n: int = 20000) -> dict[str, float]:
     """µs per ~200-byte chat.completion.chunk, encoder only (best of 5)."""
     import msgspec
-    import orjson
 
     from benchmarks.http_servers_apps.common import make_chunk
 
@@ -355,8 +355,13 @@ def bench_json(n: int = 20000) -> dict[str, float]:
         ).encode(),
         "msgspec Encoder.encode(Struct)": lambda: enc.encode(chunk),
         "msgspec Encoder.encode(dict)": lambda: enc.encode(as_dict),
-        "orjson.dumps(dict)": lambda: orjson.dumps(as_dict),
     }
+    try:  # not a dependency: measured where it is installed
+        import orjson
+
+        cases["orjson.dumps(dict)"] = lambda: orjson.dumps(as_dict)
+    except ImportError:
+        pass
     out: dict[str, float] = {"chunk_bytes": float(len(enc.encode(chunk)))}
     for label, fn in cases.items():
         best = float("inf")

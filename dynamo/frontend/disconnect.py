@@ -17,9 +17,10 @@ from dynamo.runtime.context import Context
 DISCONNECT_WATCH_AFTER_S = 0.25
 """A stream watches its client's connection only once it has waited this long for the engine
 (held in the router queue, a long prefill, a stalled worker); while its tokens flow, the next
-write notices a client that left. granian's ``client_disconnect`` costs ~30 us of CPU and, on a
-busy server, held the event loop 0.7-1.8 ms a call at c=64 (docs/performance.md): every
-streamed request paid it before the first token."""
+write notices a client that left. (Chosen when granian served the frontend: its
+``client_disconnect`` held the event loop 0.7-1.8 ms a call at c=64, docs/performance.md. Our own
+connections resolve ``disconnected()`` from their ``connection_lost``, a future, but a watch
+from the start would still cost every stream a callback and a wrapper task.)"""
 
 
 class DisconnectWatch:

@@ -1,7 +1,8 @@
 """The HTTP seam: one request/response as the handlers see it.
 
-``app.py`` implements :class:`Exchange` over granian's RSGI; ``tests/fakes.py`` has an in-memory
-``FakeExchange``, so every handler is unit-tested without a socket. Nothing here imports the
+``http_exchange.py`` implements :class:`Exchange` for the frontend's HTTP connections;
+``tests/fakes.py`` has an in-memory ``FakeExchange``, so every handler is unit-tested without a
+socket. Nothing here imports the
 handlers, which keeps the frontend's modules free of import cycles.
 """
 

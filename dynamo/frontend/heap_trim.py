@@ -1,12 +1,13 @@
 """Gives the memory a large request used back to the operating system.
 
-A large prompt passes through several allocators' hands: granian reads the body (Rust, on its
-threads), msgspec decodes it, HF ``tokenizers`` encodes it (Rust, on an offload thread). Each
-thread allocates from its own glibc arena, and glibc returns an arena's freed pages only when
-they sit at its top, so after one 4 MB prompt was tokenized the frontend stayed ~300 MB larger,
-and a few huge prompts left it at 700+ MB (issue 12 measured 2 GB). ``malloc_trim(0)`` walks
-every arena and releases its free pages; it is cheap next to the request that made them (a few
-ms), and it runs on an offload thread, never on the event loop. Elsewhere than glibc: a no-op.
+A large prompt passes through several allocators' hands: the HTTP layer buffers the body,
+msgspec decodes it (in a helper process past a size), HF ``tokenizers`` encodes it (Rust, on an
+offload thread). Each thread allocates from its own glibc arena, and glibc returns an arena's
+freed pages only when they sit at its top, so after one 4 MB prompt was tokenized the frontend
+stayed ~300 MB larger, and a few huge prompts left it at 700+ MB (issue 12 measured 2 GB).
+``malloc_trim(0)`` walks every arena and releases its free pages; it is cheap next to the
+request that made them (a few ms), and it runs on an offload thread, never on the event loop.
+Elsewhere than glibc: a no-op.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Route handlers: the OpenAI endpoints, model listings, health and metrics.
 
-Handlers talk to the HTTP server through :class:`~dynamo.frontend.exchange.Exchange` (implemented
-by ``app.py`` for granian's RSGI, faked in tests), so they stay server-independent and testable.
+Handlers talk to the HTTP server through :class:`~dynamo.frontend.exchange.Exchange`
+(implemented by ``http_exchange.py`` for the frontend's HTTP connections, faked in tests), so
+they stay server-independent and testable.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Limits every HTTP server of ours enforces against hostile or broken clients.
 
-One frozen dataclass, shared by the frontend (granian), the slot tracker and the workers' status
-servers (``runtime/http_server.py``). Each limit is a flag with a ``DYN_HTTP_*`` twin; the
+One frozen dataclass, shared by every ``runtime/http_server.py`` server: the frontend's, the slot
+tracker's and the workers' status servers. Each limit is a flag with a ``DYN_HTTP_*`` twin; the
 defaults are ones a normal client never meets and a hostile one cannot exhaust the process with:
 
 - ``max_connections``: open client connections; one more is answered 503 and closed (the
-  frontend's granian stops accepting instead; ``frontend/overflow.py`` answers the connections
-  left in the listen backlog 503 and closes them).
+  frontend's answer has an OpenAI error body and ``Retry-After``).
 - ``header_timeout_s``: from a request's first byte to the end of its headers (slowloris).
 - ``body_timeout_s``: from the end of the headers to the end of the body (a client that declares
   a length and sends less, or never ends a chunked body): 408 and the connection is closed.

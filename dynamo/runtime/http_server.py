@@ -1,7 +1,9 @@
 """A small HTTP/1.1 server for JSON APIs: asyncio protocol + llhttp (httptools), keep-alive.
 
-Used by the slot tracker and by the workers' status servers (the OpenAI frontend, which
-streams, uses granian).
+Used by the slot tracker and the workers' status servers (``HttpProtocol``: synchronous JSON
+handlers) and by the OpenAI frontend, whose connections (``frontend/http_front.py``: async
+handlers, streamed responses) plug in through ``HttpServer(connection=...)`` and share the
+listener, the connection limit, the timeout sweep and the write-behind thread.
 
 Handlers are synchronous and run inside the protocol callback: a request costs no task, no
 thread hop and no copy beyond the body. With a trivial handler on the 2-core CI VM this served
@@ -27,7 +29,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import httptools
 
@@ -51,8 +54,10 @@ _HEADERS_TOO_LARGE = b'{"error":"request headers too large"}'
 _TIMED_OUT = b'{"error":"request not received in time"}'
 _BUSY = b'{"error":"too many connections"}'
 _INTERNAL = b'{"error":"internal error"}'
-# A connection's state, for the timeout sweep: between requests, in the headers, in the body.
-_IDLE, _HEAD, _BODY = 0, 1, 2
+# A connection's state, for the timeout sweep: between requests, in the headers, in the body,
+# new (no byte yet: the header timeout), busy (a handler owns it: its own deadlines apply).
+IDLE, HEAD, BODY, NEW, BUSY = 0, 1, 2, 3, 4
+_IDLE, _HEAD, _BODY = IDLE, HEAD, BODY
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
 DEFAULT_MAX_BACKLOG_BYTES = 16 * 1024 * 1024
@@ -74,6 +79,36 @@ class App(Protocol):
         self, method: bytes, path: bytes, query: bytes, content_type: bytes | None, body: bytes
     ) -> tuple[int, bytes] | tuple[int, bytes, bytes]: ...
 
+
+class Connection(Protocol):
+    """What the server's sweep and stop need of a connection (``HttpProtocol`` or another
+    protocol made by ``HttpServer(connection=...)``): ``state`` (``IDLE`` ... ``BUSY``) and
+    ``since`` (when it entered it), ``expire()`` once the state outlived its timeout,
+    ``close()`` and ``release_fd()`` at stop."""
+
+    state: int
+    since: float
+
+    def expire(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def release_fd(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerContext:
+    """What a server shares with each of its connections."""
+
+    connections: set[Any]
+    """The open connections: a connection adds itself once accepted, discards itself on loss."""
+    write_behind: WriteBehind | None
+    accepting: Callable[[], bool]
+    limits: HttpLimits
+
+
+ConnectionFactory = Callable[[ServerContext], asyncio.Protocol]
+"""Makes the protocol of one accepted connection (it must also be a :class:`Connection`)."""
 
 FastRoutes = dict[bytes, Callable[[bytes], bytes | None]]
 """POST path -> ``route(body)``: the 200 JSON answer, or None to let ``App.handle`` answer (an
@@ -375,12 +410,13 @@ class HttpServer:
     ``busy_poll_s``: under load, keep the loop polling this long after answering (see
     ``WriteBehind``); 0 disables it. ``limits``: connection limit, timeouts, header size
     (``http_limits.py``); the timeouts are enforced by one sweep per server (a timer every
-    ``_sweep_period``), so a request costs no timer of its own.
+    ``_sweep_period``), so a request costs no timer of its own. ``connection``: instead of
+    ``app`` (give None), each accepted connection's protocol (see ``ConnectionFactory``).
     """
 
     def __init__(
         self,
-        app: App,
+        app: App | None,
         host: str,
         port: int,
         *,
@@ -389,10 +425,14 @@ class HttpServer:
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
         busy_poll_s: float = 0.0,
         limits: HttpLimits | None = None,
+        connection: ConnectionFactory | None = None,
     ) -> None:
         self.limits = limits or HttpLimits()
+        self._make_connection = connection
         self._sweeper: asyncio.TimerHandle | None = None
-        self._native_path = native_path(app, self.limits, max_body_bytes)
+        if (app is None) == (connection is None):
+            raise ValueError("give exactly one of app and connection")
+        self._native_path = None if app is None else native_path(app, self.limits, max_body_bytes)
         if busy_poll_s < 0 or (busy_poll_s and not write_behind):
             raise ValueError("busy_poll_s must be >= 0 and needs write_behind")
         self._busy_poll_s = busy_poll_s
@@ -405,7 +445,7 @@ class HttpServer:
         self._write_behind: WriteBehind | None = None
         self._serving = False  # False: connections the loop still accepts are closed at once
         self._server: asyncio.Server | None = None
-        self._connections: set[HttpProtocol] = set()
+        self._connections: set[Connection] = set()
 
     @property
     def port(self) -> int:
@@ -427,17 +467,26 @@ class HttpServer:
             self._write_behind = WriteBehind(loop, self._max_backlog, self._busy_poll_s)
         write_behind = self._write_behind
         self._serving = True
+        factory: Callable[[], asyncio.Protocol]
+        if self._make_connection is not None:
+            context = ServerContext(self._connections, write_behind, self._is_serving, self.limits)
+            make = self._make_connection
+            factory = lambda: make(context)  # noqa: E731
+        else:
+            app = self._app
+            assert app is not None
+            factory = lambda: HttpProtocol(  # noqa: E731
+                app,
+                self._limit,
+                self._connections,  # type: ignore[arg-type]
+                write_behind,
+                self._is_serving,
+                self.limits,
+                self._native_path,
+            )
         try:
             self._server = await loop.create_server(
-                lambda: HttpProtocol(
-                    self._app,
-                    self._limit,
-                    self._connections,
-                    write_behind,
-                    self._is_serving,
-                    self.limits,
-                    self._native_path,
-                ),
+                factory,
                 self._host,
                 self._port,
                 backlog=1024,
@@ -459,7 +508,13 @@ class HttpServer:
     def _sweep(self) -> None:
         """Close the connections whose current state (idle, headers, body) outlived its limit."""
         lim = self.limits
-        timeouts = (lim.keep_alive_timeout_s, lim.header_timeout_s, lim.body_timeout_s)
+        timeouts = (
+            lim.keep_alive_timeout_s,
+            lim.header_timeout_s,
+            lim.body_timeout_s,
+            lim.header_timeout_s,
+            float("inf"),
+        )
         now = _now()
         for conn in [c for c in self._connections if now - c.since > timeouts[c.state]]:
             conn.expire()

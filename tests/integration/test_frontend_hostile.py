@@ -327,7 +327,7 @@ async def test_connections_past_the_limit_get_503_not_a_hang(stack: Stack) -> No
     # Four idle connections take every place (the idle reaper leaves them for 30 s).
     holders = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     try:
-        await asyncio.sleep(0.3)  # granian has accepted them
+        await asyncio.sleep(0.3)  # the server has accepted them
         extra = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
         extra.settimeout(15)
         extra.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
