@@ -637,6 +637,10 @@ plan_one(Pass *ps, PyObject *seq, Py_ssize_t *i)
                 if (g)
                     break;
                 Py_ssize_t count = PyList_GET_SIZE(ps->running);
+                if (count == 0) { /* seq itself is running: only a broken caller gets here */
+                    PyErr_SetString(PyExc_RuntimeError, "a running sequence is not in running");
+                    return -1;
+                }
                 Py_ssize_t vi = ps->lifo ? count - 1 : 0;
                 PyObject *victim = Py_NewRef(PyList_GET_ITEM(ps->running, vi));
                 if (vi < *i)

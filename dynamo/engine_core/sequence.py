@@ -16,7 +16,13 @@ from dynamo.engine_core.config import SchedulerLimits
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest
-from dynamo.router.hashing import block_hash, block_seed, local_block_hashes, next_sequence_hash
+from dynamo.router.hashing import (
+    block_hash,
+    block_seed,
+    local_block_hashes,
+    next_sequence_hash,
+    sequence_hashes,
+)
 from dynamo.runtime.errors import InvalidArgument
 
 
@@ -83,7 +89,7 @@ class Sequence:
             self.local_hashes = local_block_hashes(
                 self.tokens, self.block_size, lora_name=self.lora_name
             )
-            self.block_hashes = _chain(self.local_hashes)
+            self.block_hashes = sequence_hashes(self.local_hashes)
 
     @property
     def num_tokens(self) -> int:
@@ -122,15 +128,6 @@ class Sequence:
         if n >= self.min_tokens and token in self.stop_token_ids:
             return FinishReason.STOP
         return None
-
-
-def _chain(local_hashes: list[int]) -> list[int]:
-    out: list[int] = []
-    prev: int | None = None
-    for local in local_hashes:
-        prev = local if prev is None else next_sequence_hash(prev, local)
-        out.append(prev)
-    return out
 
 
 def request_seed(request_id: str, seed: int | None) -> int:
