@@ -40,7 +40,8 @@ FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
 	tests/integration/test_kv_routing.py tests/e2e/test_slot_tracker_api.py \
 	tests/e2e/test_slot_tracker_replicas.py tests/unit/pytorch/test_attention.py \
 	tests/unit/engine_core tests/unit/mocker/test_scheduler.py \
-	tests/unit/bench/test_bench_workload.py tests/unit/bench/test_draw_native.py
+	tests/unit/bench/test_bench_workload.py tests/unit/bench/test_draw_native.py \
+	tests/unit/replay/test_events_native.py tests/unit/replay/test_replay.py
 
 test-fallback: $(VENV)/.installed
 	DYN_NATIVE=0 $(VENV)/bin/pytest -q -p no:cacheprovider $(FALLBACK_SUITES)

@@ -31,13 +31,11 @@ dependence on wall-clock time or hash ordering.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
@@ -47,6 +45,7 @@ from dynamo.frontend.errors import to_http
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.request import PreprocessedRequest, RoutingHints, StopConditions
 from dynamo.replay.deployment import Deployment
+from dynamo.replay.events import EventQueue
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
     BUSY,
@@ -117,7 +116,7 @@ class Simulation:
         self._sessions = sessions
         self._warmup = warmup
         self._decode_text = decode_text
-        self._heap: list[tuple[float, int, int, Any]] = []
+        self._events_queue = EventQueue()  # (when, kind, FIFO order, payload)
         self._counter = itertools.count()
         self._events = 0  # events processed in the current phase (a pass started inline counts)
         self.now = 0.0
@@ -156,10 +155,10 @@ class Simulation:
 
     # -- the event loop ---------------------------------------------------------------------
     def _push(self, when: float, kind: int, payload: object) -> None:
-        heapq.heappush(self._heap, (when, kind, next(self._counter), payload))
+        self._events_queue.push(when, kind, next(self._counter), payload)
 
     def _schedule_send(self, when: float, runner: Runner | None) -> None:
-        heapq.heappush(self._heap, (when, _SEND, next(self._counter), runner))
+        self._events_queue.push(when, _SEND, next(self._counter), runner)
 
     def run(self) -> SimulationResult:
         started = time.perf_counter()
@@ -200,17 +199,18 @@ class Simulation:
             origin=origin,
         )
         gen.start()
-        heap, pop, timeouts = self._heap, heapq.heappop, self._timeouts
+        queue, timeouts = self._events_queue, self._timeouts
+        pop, next_when = queue.pop, queue.next_when
         pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
         self._events = 0
-        while heap or timeouts:
-            if timeouts and (not heap or timeouts[0][0] < heap[0][0]):
+        while queue or timeouts:
+            if timeouts and timeouts[0][0] < next_when():  # (inf when the queue is empty)
                 when, flight = timeouts.popleft()
                 if not flight.done:
                     self.now = when
                     self._time_out(flight)
                 continue
-            when, kind, _, payload = pop(heap)
+            when, kind, payload = pop()
             self.now = when
             self._events += 1
             # the payload's type follows from kind (_push / _schedule_send)
@@ -452,9 +452,9 @@ class Simulation:
         order = next(self._counter)
         if core is not None and not prefill_pool:
             self._release_held()
-        heap = self._heap
-        if heap and heap[0][0] <= now:  # more is due at this instant: the pass waits its turn
-            heapq.heappush(heap, (now, _PASS_START, order, rank))
+        queue = self._events_queue
+        if queue.next_when() <= now:  # more is due at this instant: the pass waits its turn
+            queue.push(now, _PASS_START, order, rank)
         else:  # nothing else is due now: the pop would be the very next event
             self._events += 1
             self._pass_start(rank)
