@@ -7,7 +7,8 @@ c=1 request). Here a request is parsed in the loop's read callback (httptools), 
 is created in the same callback as its headers (the body of a small request arrived with them),
 and every byte of the answer goes to the server's native write-behind thread (``_sender.c``):
 the socket writes, and on loopback the client's receive path they run, leave the loop's thread
-and the GIL.
+and the GIL. A connection's writes of one loop iteration are handed over together
+(``WriteBehind.defer``): one send for a stream's last chunk, its end and ``[DONE]``.
 
 Per connection (contract):
 
