@@ -203,7 +203,8 @@ class FrontendService:
         await self.registry.start()
         await self.dashboard.start(self.runtime)
         limits = self.config.limits
-        raise_fd_limit(limits.max_connections + 1024)
+        # two descriptors a connection (the write-behind thread writes a dup of the socket)
+        raise_fd_limit(2 * limits.max_connections + 1024)
         self._server = HttpServer(
             None,
             self.config.http_host,

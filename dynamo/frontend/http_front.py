@@ -7,7 +7,8 @@ c=1 request). Here a request is parsed in the loop's read callback (httptools), 
 is created in the same callback as its headers (the body of a small request arrived with them),
 and every byte of the answer goes to the server's native write-behind thread (``_sender.c``):
 the socket writes, and on loopback the client's receive path they run, leave the loop's thread
-and the GIL.
+and the GIL. A connection's writes of one loop iteration are handed over together
+(``WriteBehind.defer``): one send for a stream's last chunk, its end and ``[DONE]``.
 
 Per connection (contract):
 
@@ -90,6 +91,7 @@ class FrontConnection(asyncio.Protocol):
         "_reading_paused",
         "_drain",
         "_lingering",
+        "_out",
     )
 
     def __init__(
@@ -122,6 +124,7 @@ class FrontConnection(asyncio.Protocol):
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._lingering = lingering  # shared count of refused connections lingering
+        self._out: list[bytes] | None = None  # this iteration's writes, for the write-behind
 
     # -- asyncio side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -217,17 +220,31 @@ class FrontConnection(asyncio.Protocol):
             raise ClientDisconnected("the client closed the connection")
 
     def write(self, data: bytes) -> None:
-        write_behind = self._ctx.write_behind
-        if self._fd >= 0 and write_behind is not None:
-            write_behind.sender_send(self._fd, data)
-            if not write_behind.scheduled:
-                write_behind.schedule_flush()
+        """Send ``data``: with the write-behind thread, gathered with this iteration's other
+        writes (one send for a stream's last chunks, the terminator and ``[DONE]``)."""
+        if self._fd >= 0:
+            out = self._out
+            if out is None:
+                self._out = [data]
+                write_behind = self._ctx.write_behind
+                assert write_behind is not None
+                write_behind.defer(self)
+            else:
+                out.append(data)
         elif self._transport is not None:
             self._transport.write(data)
+
+    def flush_out(self) -> None:
+        out = self._out
+        self._out = None
+        write_behind = self._ctx.write_behind
+        if out and self._fd >= 0 and write_behind is not None:
+            write_behind.sender_send(self._fd, out[0] if len(out) == 1 else b"".join(out))
 
     def release_fd(self) -> None:
         """Hand the dup'ed socket to the write-behind thread for closing (after its bytes)."""
         if self._fd >= 0 and self._ctx.write_behind is not None:
+            self.flush_out()
             self._ctx.write_behind.close(self._fd)
             self._fd = -1
 
@@ -265,6 +282,7 @@ class FrontConnection(asyncio.Protocol):
             transport.resume_reading()
         write_behind = self._ctx.write_behind
         if self._fd >= 0 and write_behind is not None:
+            self.flush_out()
             write_behind.shutdown_write(self._fd)
         elif transport.can_write_eof():
             transport.write_eof()
@@ -339,8 +357,16 @@ class FrontConnection(asyncio.Protocol):
     def _start(self, ex: HttpExchange) -> None:
         self._running = ex
         self.state = BUSY
-        task = self._task = self.loop.create_task(self._handler(ex))
+        task = self._task = self.loop.create_task(self._serve(ex))
         task.add_done_callback(self._handled)
+
+    async def _serve(self, ex: HttpExchange) -> None:
+        try:
+            await self._handler(ex)
+        finally:
+            # in the handler's last step, so the end leaves with its last writes
+            if not self.lost:
+                ex.end()
 
     def _handled(self, task: asyncio.Task[None]) -> None:
         ex = self._running
@@ -348,11 +374,7 @@ class FrontConnection(asyncio.Protocol):
         self._task = None
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("HTTP handler failed", exc_info=exc)
-        if ex is None:
-            return
-        if not self.lost:
-            ex.end()
-        if self.lost:
+        if ex is None or self.lost:
             return
         if ex.closes:
             if ex.lingers:

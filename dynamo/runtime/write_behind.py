@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from dynamo.runtime.sender import Sender
@@ -18,6 +18,14 @@ BUSY_POLL_WINDOW_S = 0.01
 BUSY_POLL_MIN_ITERATIONS = 100
 """Busy polling runs only after a window of BUSY_POLL_WINDOW_S in which at least this many
 loop iterations answered requests (10k/s): below that rate it would mostly burn CPU."""
+
+
+class Deferred(Protocol):
+    """A connection that gathers its writes of a loop iteration (:meth:`WriteBehind.defer`)."""
+
+    def flush_out(self) -> None:
+        """Hand what it gathered to the sender (``sender_send``), in one piece."""
+        ...
 
 
 class WriteBehind:
@@ -42,6 +50,7 @@ class WriteBehind:
         "_window_end",
         "_window_iterations",
         "_hot",
+        "_deferred",
     )
 
     def __init__(
@@ -60,6 +69,7 @@ class WriteBehind:
         self._window_end = 0.0
         self._window_iterations = 0
         self._hot = False
+        self._deferred: list[Deferred] = []
         # The hot path calls these two directly: ``sender_send`` then, unless ``scheduled``,
         # ``schedule_flush`` (one Python frame less per response than ``send``).
         self.sender_send = self._sender.send
@@ -67,6 +77,14 @@ class WriteBehind:
     def schedule_flush(self) -> None:
         self.scheduled = True
         self._loop.call_soon(self._flush)
+
+    def defer(self, conn: Deferred) -> None:
+        """``conn`` has writes gathered: its ``flush_out`` runs at this iteration's flush (so a
+        response's pieces of one iteration leave in one ``send`` of the thread, not one each:
+        on loopback each send runs the receiver's input path)."""
+        self._deferred.append(conn)
+        if not self.scheduled:
+            self.schedule_flush()
 
     def send(self, fd: int, data: bytes) -> None:
         self._sender.send(fd, data)
@@ -90,6 +108,10 @@ class WriteBehind:
 
     def _flush(self) -> None:
         self.scheduled = False
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for conn in deferred:
+                conn.flush_out()
         self._sender.flush()
         if self._busy_poll_s > 0:
             now = time.monotonic()

@@ -302,3 +302,47 @@ def test_update_pass_hashes_completed_blocks_as_the_router_does(native: ModuleTy
         assert seq.block_hashes == sequence_hashes(seq.local_hashes)
         assert seq.finish_reason is None
         assert FinishReason.LENGTH.value == "length"
+
+
+class OtherSequence(Sequence):
+    """Not the class whose slot offsets the native pass learned: it takes the getattr path."""
+
+
+def test_native_pass_reads_other_sequence_classes_through_attributes(native: ModuleType) -> None:
+    results = []
+    for cls in (Sequence, OtherSequence):
+        sched = Scheduler(Shape(num_gpu_blocks=12))
+        for i in range(4):
+            request = PreprocessedRequest(
+                model="m",
+                token_ids=[1, 2, 3, 4, 5, i],
+                stop=StopConditions(max_tokens=9, ignore_eos=True),
+            )
+            built = sequence_from_request(Shape(), request, f"r{i}", 0.0)
+            kwargs = {f.name: getattr(built, f.name) for f in dataclasses.fields(built) if f.init}
+            sched.enqueue(cls(**kwargs))
+        log = []
+        for _ in range(12):
+            out = native.mock_pass(
+                sched._running,  # noqa: SLF001
+                sched._waiting,  # noqa: SLF001
+                sched._requests,  # noqa: SLF001
+                sched.kv,
+                sched.config,
+                0.0,
+                sched.transfer_seconds,
+                50,
+                frozenset(),
+            )
+            log.append(
+                (
+                    [s.request_id for s in out[0]],
+                    out[1:4],
+                    [(s.request_id, t) for s, t in out[4]],
+                    msgspec.json.encode(out[6]),
+                )
+            )
+            sched.check_invariants()
+        results.append(log)
+    assert results[0] == results[1]
+    assert any(row[0] for row in results[0])  # a preemption happened on both paths

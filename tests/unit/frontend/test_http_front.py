@@ -57,7 +57,8 @@ class App:
             sink = http.start_stream(200, [("content-type", "text/event-stream")])
             for i in range(int(http.header("n") or "3")):
                 await sink.send(b"data: %d\n\n" % i)
-                await asyncio.sleep(0)
+                if not http.header("burst"):
+                    await asyncio.sleep(0)
         elif http.path == "/wait":
             await http.disconnected()
             self.events.append("left")
@@ -279,3 +280,25 @@ async def test_failing_and_silent_handlers_get_500() -> None:
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 500") and b"connection: close" in head
             assert "Traceback" not in body.decode() and json.loads(body)["error"]
+
+
+async def test_the_writes_of_one_iteration_leave_in_one_send() -> None:
+    """A response written in one loop iteration (head, chunks, end) is one send of the
+    write-behind thread (each send on loopback runs the client's receive path)."""
+    async with serving(App()) as server:
+        write_behind = server._write_behind
+        assert write_behind is not None
+        sends: list[bytes] = []
+        real = write_behind.sender_send
+
+        def counting(fd: int, data: bytes) -> None:
+            sends.append(bytes(data))
+            real(fd, data)
+
+        write_behind.sender_send = counting
+        request = (
+            b"GET /stream HTTP/1.1\r\nhost: t\r\nn: 5\r\nburst: 1\r\nconnection: close\r\n\r\n"
+        )
+        answer = await exchange(server.port, request)
+        assert answer.endswith(b"data: 4\n\n\r\n0\r\n\r\n")
+        assert len(sends) == 1 and sends[0] == answer
