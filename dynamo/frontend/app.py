@@ -43,6 +43,10 @@ from dynamo.runtime.published_files import fetch_files
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 
 log = logging.getLogger(__name__)
+MAX_UNREAD_BYTES = 2 * 1024 * 1024
+"""Response bytes a client may leave unread (beyond what its socket buffers hold) before the
+write-behind thread drops its connection: a stream makes ~20 KB/s, so only a stalled client
+gets there, and the frontend's memory stays bounded by connections x this."""
 
 
 class FrontendService:
@@ -210,6 +214,7 @@ class FrontendService:
             self.config.http_host,
             self.config.http_port,
             write_behind=True,
+            max_backlog_bytes=MAX_UNREAD_BYTES,
             limits=limits,
             connection=connection_factory(self.routes, self.config.body_limit_bytes),
         )
