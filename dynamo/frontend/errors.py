@@ -55,6 +55,7 @@ _STATUS_TYPE = {
     405: ("invalid_request_error", "validation"),
     408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "validation"),
+    431: ("invalid_request_error", "validation"),
     499: ("cancelled", "cancelled"),
     500: ("internal_error", "internal"),
     501: ("not_implemented", "not_implemented"),

@@ -172,6 +172,8 @@ class HttpExchange:
         tail = f"content-length: {len(body)}\r\n"
         if self.closes:
             tail += "connection: close\r\n"
+        elif not self._http11:  # an HTTP/1.0 client keeps the connection only if told so
+            tail += "connection: keep-alive\r\n"
         data = render_head(status, headers, tail + "\r\n")
         self._conn.write(data if self.method == "HEAD" else data + body)
 

@@ -92,6 +92,7 @@ class FrontConnection(asyncio.Protocol):
         "_drain",
         "_lingering",
         "_out",
+        "_failure",
     )
 
     def __init__(
@@ -125,6 +126,7 @@ class FrontConnection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._lingering = lingering  # shared count of refused connections lingering
         self._out: list[bytes] | None = None  # this iteration's writes, for the write-behind
+        self._failure: bytes | None = None  # an error answer waiting for the running handler
 
     # -- asyncio side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -195,7 +197,14 @@ class FrontConnection(asyncio.Protocol):
                 log.exception("HTTP callback failed")
                 self._fail(500, "internal error while reading the request")
         except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not supported")
+            # The request was read whole: it is answered as if it had no Upgrade header (RFC
+            # 9110 7.8), but what follows it cannot be parsed: the connection ends after it.
+            last = self._queue[-1] if self._queue else self._running
+            if last is None:
+                self._fail(400, "protocol upgrades are not supported")
+            else:
+                last.closes = True
+                self._closing = True
         except httptools.HttpParserError:
             self._fail(400, "malformed HTTP request")
 
@@ -267,10 +276,16 @@ class FrontConnection(asyncio.Protocol):
         if self._closing or self._transport is None:
             return
         self._queue.clear()
-        if self._parsing is not None:
-            self._parsing.lose()  # a handler waiting for its body stops
-            self._parsing = None
-        self.write(error_response(status, message))
+        parsing, self._parsing = self._parsing, None
+        if parsing is not None:
+            parsing.lose()  # a handler waiting for its body stops
+        answer = error_response(status, message)
+        if self._running is not None and self._running is not parsing:
+            # an earlier request is being answered: its answer goes first, then this one
+            self._closing = True
+            self._failure = answer
+            return
+        self.write(answer)
         self._linger_close()
 
     def _linger_close(self) -> None:
@@ -315,7 +330,19 @@ class FrontConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self._parser
-        path = self._url.partition(b"?")[0].decode("latin-1")
+        coding = self._headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            # a coding we would pass on undecoded (gzip, ...): refused, not ignored
+            self._fail(501, f"transfer coding {coding!r} is not supported")
+            raise _Abort
+        url = self._url
+        if url[:1] != b"/" and url != b"*":  # absolute-form (a proxy's): route by its path
+            try:
+                url = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:
+                self._fail(400, "malformed request target")
+                raise _Abort from None
+        path = url.partition(b"?")[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
         ex = HttpExchange(
@@ -327,10 +354,6 @@ class FrontConnection(asyncio.Protocol):
             parser.get_http_version() == "1.1",
         )
         self._parsing = ex
-        if self._headers.get("expect", "").lower() == "100-continue" and (
-            ex._declared is None or ex._declared <= self.max_body_bytes
-        ):
-            self.write(_CONTINUE)
         if self._running is None:
             self._start(ex)
         else:
@@ -356,6 +379,13 @@ class FrontConnection(asyncio.Protocol):
     # -- handlers -------------------------------------------------------------------------
     def _start(self, ex: HttpExchange) -> None:
         self._running = ex
+        # 100 Continue once the request is the one answered (not inside an earlier answer)
+        if (
+            not ex._complete
+            and (ex.header("expect") or "").lower() == "100-continue"
+            and (ex._declared is None or ex._declared <= self.max_body_bytes)
+        ):
+            self.write(_CONTINUE)
         self.state = BUSY
         task = self._task = self.loop.create_task(self._serve(ex))
         task.add_done_callback(self._handled)
@@ -375,6 +405,11 @@ class FrontConnection(asyncio.Protocol):
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("HTTP handler failed", exc_info=exc)
         if ex is None or self.lost:
+            return
+        if self._failure is not None:  # a later request was malformed: its answer, the end
+            self.write(self._failure)
+            self._failure = None
+            self._linger_close()
             return
         if ex.closes:
             if ex.lingers:
