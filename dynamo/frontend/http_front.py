@@ -56,6 +56,8 @@ _now = time.monotonic
 Handler = Callable[[Exchange], Coroutine[Any, Any, None]]
 MAX_QUEUED = 8
 """Pipelined requests held per connection before it stops reading."""
+FEED_BYTES = 8192
+"""A larger read is parsed in slices of this size, the rest held while the queue is full."""
 LINGER_S = 2.0
 """After an answer that leaves request bytes unread (413, an unread body), the connection reads
 and drops its input this long before it closes, so the client reads the answer, not a reset."""
@@ -93,6 +95,7 @@ class FrontConnection(asyncio.Protocol):
         "_lingering",
         "_out",
         "_failure",
+        "_held",
     )
 
     def __init__(
@@ -127,6 +130,7 @@ class FrontConnection(asyncio.Protocol):
         self._lingering = lingering  # shared count of refused connections lingering
         self._out: list[bytes] | None = None  # this iteration's writes, for the write-behind
         self._failure: bytes | None = None  # an error answer waiting for the running handler
+        self._held = b""  # input not parsed yet: the queue was full
 
     # -- asyncio side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -185,11 +189,24 @@ class FrontConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return  # answered and closing (or lingering): input is dropped
+        if self._held:  # parsed after what is held, once the queue has room
+            self._held += data
+            return
         if self.state in (NEW, IDLE):
             self.state = HEAD
             self.since = _now()
         try:
-            self._parser.feed_data(data)
+            if len(data) <= FEED_BYTES and len(self._queue) < MAX_QUEUED:
+                self._parser.feed_data(data)
+            else:  # slice by slice: thousands of tiny pipelined requests in one read must
+                # not become thousands of queued exchanges (40x the bytes they came in)
+                for at in range(0, len(data), FEED_BYTES):
+                    if self._closing:
+                        break
+                    if len(self._queue) >= MAX_QUEUED:
+                        self._held = data[at:]
+                        break
+                    self._parser.feed_data(data[at : at + FEED_BYTES])
         except _Abort:
             pass
         except httptools.HttpParserCallbackError as exc:
@@ -419,13 +436,23 @@ class FrontConnection(asyncio.Protocol):
                 self.close()
             return
         if self._queue:
-            if self._reading_paused and self._transport is not None:
-                self._reading_paused = False
-                self._transport.resume_reading()
             self._start(self._queue.popleft())
-            return
-        self.state = HEAD if self._parsing is not None else IDLE
-        self.since = _now()
+        else:
+            self.state = HEAD if self._parsing is not None else IDLE
+            self.since = _now()
+        if self._held:
+            held, self._held = self._held, b""
+            self.data_received(held)
+        # read on once the queue has room and nothing is held (both bounded so)
+        if (
+            self._reading_paused
+            and not self._held
+            and len(self._queue) < MAX_QUEUED
+            and self._transport is not None
+            and not self._closing
+        ):
+            self._reading_paused = False
+            self._transport.resume_reading()
 
     def cancel(self) -> None:
         """Cancel the running handler (server stop)."""

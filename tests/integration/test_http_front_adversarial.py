@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 import dynamo.frontend.app as frontend_app
+from dynamo.frontend.http_front import FEED_BYTES, MAX_QUEUED
 from dynamo.runtime.http_limits import HttpLimits
 from tests.integration.conftest import Stack
 
@@ -324,6 +325,18 @@ async def test_pipelining_in_order_and_errors_after_the_answers_before_them(
             assert json.loads(resp.body)["object"] == "chat.completion"
         else:
             assert json.loads(resp.body)["object"] == "list"
+    # 5000 tiny requests in one write: answered in order, while the requests parsed ahead of
+    # their turn stay few (a read is parsed slice by slice, the rest held while the queue is
+    # full; before, a 256 KiB read became 5000 queued exchanges)
+    assert stack.frontend is not None and stack.frontend._server is not None
+    connections = stack.frontend._server._connections
+    many = asyncio.create_task(talk(port, get(b"/live") * 5000 + get(b"/live", close=True)))
+    most_queued = 0
+    while not many.done():
+        most_queued = max([most_queued, *(len(c._queue) for c in connections)])
+        await asyncio.sleep(0)
+    assert (await many).count(b"HTTP/1.1 200 OK\r\n") == 5001
+    assert most_queued <= MAX_QUEUED + FEED_BYTES // len(get(b"/live")), most_queued
     # a malformed request, an over-long head, an Expect behind a running stream: the stream is
     # answered whole first (nothing written inside it), then the error and the close
     expect_head = chat_request(False, extra=b"expect: 100-continue\r\n").partition(b"\r\n\r\n")[0]
