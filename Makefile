@@ -36,7 +36,7 @@ test: lint servers chromium
 # (DYN_NATIVE=0, see dynamo/native.py): the package must work where they cannot be built.
 FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
 	tests/unit/runtime/test_http_server_write_behind.py tests/unit/runtime/test_http_server_limits.py \
-	tests/unit/frontend/test_http_front.py \
+	tests/unit/frontend/test_http_front.py tests/integration/test_http_front_adversarial.py \
 	tests/unit/slot_tracker \
 	tests/integration/test_kv_routing.py tests/e2e/test_slot_tracker_api.py \
 	tests/e2e/test_slot_tracker_replicas.py tests/unit/pytorch/test_attention.py \

@@ -208,6 +208,7 @@ FRAMING = {
     "TLS ClientHello": (bytes.fromhex("16030100c4010000c00303") + bytes(range(32)) * 6, 400),
     "100 kB URL": (b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\n\r\n", 431),
 }
+FRAMING["101 header fields"] = (b"GET /v1/models HTTP/1.1\r\n" + b"a: b\r\n" * 101 + b"\r\n", 431)
 FRAMING["100 kB of headers"] = (
     b"GET /v1/models HTTP/1.1\r\n"
     + b"".join(b"x-%d: %s\r\n" % (i, b"p" * 990) for i in range(100)),
@@ -238,6 +239,12 @@ async def test_targets_versions_and_methods(stack: Stack, caplog: pytest.LogCapt
     # absolute-form (what a proxy sends) routes by its path
     [absolute] = parse(await talk(port, get(b"http://t:1/v1/models?x=1", close=True)))
     assert absolute.status == 200 and absolute.body == models.body
+    # 100 header fields (hyper's limit) are fine; 101 are a 431 (above)
+    fields = b"".join(b"x-%d: v\r\n" % i for i in range(99))
+    [many] = parse(
+        await talk(port, b"GET /live HTTP/1.1\r\n" + fields + b"connection: close\r\n\r\n")
+    )
+    assert many.status == 200
     # an Upgrade is ignored (the request answered as HTTP/1.1), and what follows it unread
     upgrade = b"GET /v1/models HTTP/1.1\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n"
     [answer] = parse(await talk(port, upgrade + b"\x00\x00\x12\x04" + get(b"/live")))
