@@ -351,6 +351,8 @@ class FrontConnection(asyncio.Protocol):
         ):
             self._fail(431, "request headers too large")
             raise _Abort
+        if self._parsing is not None:  # a chunked body's trailer: not merged (RFC 9110 6.5.1)
+            return
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         headers = self._headers

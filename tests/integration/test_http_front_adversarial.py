@@ -227,6 +227,17 @@ async def test_framing_errors_are_answered_once_then_closed(
         assert len(responses) == 1, (name, answer[:500])  # the smuggled request: unanswered
         assert_openai_error(responses[0], status)
         assert responses[0].headers["connection"] == "close", name
+    # a bad chunk size while the handler waits for the body: one 400, the handler let go
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(chat_request(False).partition(b"content-length")[0])
+    writer.write(b"transfer-encoding: chunked\r\n\r\n1\r\n{\r\n")
+    await asyncio.sleep(0.2)
+    writer.write(b"zz\r\n")
+    async with asyncio.timeout(10):
+        [bad] = parse(await reader.read())
+    writer.close()
+    assert_openai_error(bad, 400)
+    assert stack.frontend is not None and stack.frontend.generate.inflight == 0
     assert_no_error_logs(caplog)
     assert (parse(await talk(port, get(b"/v1/models", close=True))))[0].status == 200
 

@@ -302,3 +302,17 @@ async def test_the_writes_of_one_iteration_leave_in_one_send() -> None:
         answer = await exchange(server.port, request)
         assert answer.endswith(b"data: 4\n\n\r\n0\r\n\r\n")
         assert len(sends) == 1 and sends[0] == answer
+
+
+async def test_trailer_fields_are_not_merged_into_the_headers() -> None:
+    """A chunked body's trailer (RFC 9110 6.5.1) does not add to, or change, the request's
+    headers the handler reads after the body."""
+    async with serving(App()) as server:
+        request = (
+            b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\nconnection: close\r\n"
+            b"\r\n2\r\nhi\r\n0\r\nx-id: smuggled\r\n\r\n"
+        )
+        answer = await exchange(server.port, request)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and body == b"hi"
+        assert b"x-id: -\r\n" in head
