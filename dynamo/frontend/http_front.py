@@ -375,13 +375,15 @@ class FrontConnection(asyncio.Protocol):
         path = url.partition(b"?")[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
+        http11 = parser.get_http_version() == "1.1"
         ex = HttpExchange(
             self,
             parser.get_method().decode("latin-1"),
             path,
             self._headers,
-            parser.should_keep_alive(),
-            parser.get_http_version() == "1.1",
+            # HTTP/1.0 with a transfer coding: faulty framing, closed after (RFC 9112 6.1)
+            parser.should_keep_alive() and (http11 or coding is None),
+            http11,
         )
         self._parsing = ex
         if self._running is None:

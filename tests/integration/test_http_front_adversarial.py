@@ -304,6 +304,12 @@ async def test_targets_versions_and_methods(stack: Stack, caplog: pytest.LogCapt
     first, second = parse(await talk(port, keep + b"GET /live HTTP/1.0\r\n\r\n"))
     assert first.headers["connection"] == "keep-alive" and first.body == models.body
     assert second.status == 200 and second.headers["connection"] == "close"
+    # HTTP/1.0 with a transfer coding: answered, then closed (RFC 9112 6.1), what follows unread
+    chunked10 = b"POST /v1/completions HTTP/1.0\r\nconnection: keep-alive\r\n"
+    chunked10 += b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    [faulty] = parse(await talk(port, chunked10 + b"GET /live HTTP/1.0\r\n\r\n"))
+    assert_openai_error(faulty, 400)
+    assert faulty.headers["connection"] == "close"
     # a body on a GET is read and dropped; the next request is served
     with_body = b"GET /v1/models HTTP/1.1\r\ncontent-length: 5\r\n\r\nhello"
     first, second = parse(await talk(port, with_body + get(b"/live", close=True)))
