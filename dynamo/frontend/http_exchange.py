@@ -242,11 +242,15 @@ class HttpExchange:
         else:
             waiter.set_exception(error)
 
-    def end(self) -> None:
-        """The handler returned: end a stream, or answer 500 if it answered nothing."""
+    def end(self, failed: bool = False) -> None:
+        """The handler returned (or ``failed``: raised, was cancelled): end a stream, or answer
+        500 if it answered nothing. A failed stream gets no last chunk: the connection closes
+        with the body unterminated, so the client sees it cut short, not complete."""
         if self._sink is not None:
             self._sink.ended = True
-            if self._http11 and self.method != "HEAD":
+            if failed:
+                self.closes = True
+            elif self._http11 and self.method != "HEAD":
                 self._conn.write(END)
         elif not self._answered:
             self._answered = True

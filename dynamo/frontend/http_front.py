@@ -423,12 +423,14 @@ class FrontConnection(asyncio.Protocol):
         task.add_done_callback(self._handled)
 
     async def _serve(self, ex: HttpExchange) -> None:
+        failed = True
         try:
             await self._handler(ex)
+            failed = False
         finally:
             # in the handler's last step, so the end leaves with its last writes
             if not self.lost:
-                ex.end()
+                ex.end(failed)
 
     def _handled(self, task: asyncio.Task[None]) -> None:
         ex = self._running

@@ -316,3 +316,23 @@ async def test_trailer_fields_are_not_merged_into_the_headers() -> None:
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and body == b"hi"
         assert b"x-id: -\r\n" in head
+
+
+class _FailingStream(App):
+    async def _route(self, http: Exchange) -> None:
+        if http.path == "/stream-boom":
+            sink = http.start_stream(200, [("content-type", "text/event-stream")])
+            await sink.send(b"data: 0\n\n")
+            raise RuntimeError("a handler bug mid-stream")
+        await super()._route(http)
+
+
+async def test_a_stream_whose_handler_fails_is_cut_short_not_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No last chunk after a failure: the client sees the body unterminated and the close."""
+    async with serving(_FailingStream()) as server:
+        answer = await exchange(server.port, b"GET /stream-boom HTTP/1.1\r\nhost: t\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: 0\n\n\r\n")
+    assert not answer.endswith(b"0\r\n\r\n")
+    assert any("HTTP handler failed" in r.getMessage() for r in caplog.records)
