@@ -49,7 +49,7 @@ import httptools
 
 from dynamo.frontend.exchange import ClientDisconnected, Exchange
 from dynamo.frontend.http_exchange import REFUSAL, HttpExchange, error_response
-from dynamo.runtime.http_server import BUSY, HEAD, IDLE, NEW, ServerContext
+from dynamo.runtime.http_connection import BUSY, HEAD, IDLE, NEW, ServerContext
 
 log = logging.getLogger(__name__)
 _now = time.monotonic

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -24,13 +25,13 @@ from dynamo.backend.engine import (
 from dynamo.engine_core.sequence import Sequence, sequence_from_request
 from dynamo.mocker import pass_log
 from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.load_publisher import LoadPublisher, LoadSink
 from dynamo.mocker.logprobs import CAPABILITIES, MockLogprobs
 from dynamo.mocker.simulator import MockerScheduler, StepOutput
 from dynamo.mocker.timing import Clock, RealClock, pass_sleep, pass_start
 from dynamo.observability.engine_metrics import HitRateWindow
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch
-from dynamo.protocol.load import WorkerLoad
 from dynamo.protocol.output import FinishReason, LLMEngineOutput, Usage
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
 from dynamo.runtime.context import Context
@@ -42,19 +43,8 @@ SPEEDUP0_SLICE_S = 0.0005
 """The longest the step loop works before letting consumers run when it does not pace passes:
 at speedup 0, and on a real clock while its passes are overdue (behind the model's schedule)."""
 
-LOAD_INTERVAL_S = 0.02
-"""A rank's load goes out when it changed, at most this often; the load a rank settles at when
-it waits always goes out (at the interval's end at the latest). Sent on every change (each
-pass, each arrival to an idle rank, each return to idle), the load messages were ~15-19 % of
-the mocker's samples at c=64: a ZMQ send that wakes the I/O thread costs ~30 µs of CPU, and
-the frontend decodes every message. Their readers (the dashboard, a planner) want a current
-view, not every pass."""
-
 KVEventSink = Callable[[KVEventBatch], Awaitable[None]]
 """Receives each pass's KV events of one rank, in order (the worker publishes them)."""
-LoadSink = Callable[[WorkerLoad], Awaitable[None]]
-"""Receives a rank's load when it changed, at most every ``LOAD_INTERVAL_S`` of the engine's
-clock; the load it settles at when it waits (idle, or for KV transfers) always arrives."""
 
 
 class _Collector:
@@ -86,9 +76,7 @@ class _Rank:
     inbox: list[tuple[Sequence | None, str]] = field(default_factory=list)
     collectors: dict[str, _Collector] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    last_load: WorkerLoad | None = None
-    next_load_at: float = 0.0  # no load message before this (engine clock)
-    load_flush: asyncio.Task[None] | None = None  # sends a held-back load at next_load_at
+    load: LoadPublisher | None = None  # None: the engine has no load sink
     next_yield: float = 0.0
     hit_rate: HitRateWindow = field(default_factory=HitRateWindow)
     disagg: DisaggCounters = field(default_factory=DisaggCounters)
@@ -129,9 +117,7 @@ class MockerEngine(LLMEngine):
         self.worker_id = worker_id
         if cfg.startup_time:
             await self.clock.sleep(cfg.startup_time)  # simulated model load
-        self._ranks = [
-            _Rank(r, MockerScheduler(cfg, dp_rank=r)) for r in range(cfg.data_parallel_size)
-        ]
+        self._ranks = [self._new_rank(r) for r in range(cfg.data_parallel_size)]
         self._tasks = [
             asyncio.create_task(self._step_loop(rank), name=f"mocker-step:{worker_id:x}:{r}")
             for r, rank in enumerate(self._ranks)
@@ -148,6 +134,14 @@ class MockerEngine(LLMEngine):
             capabilities=CAPABILITIES,
         )
 
+    def _new_rank(self, index: int) -> _Rank:
+        scheduler = MockerScheduler(self.config, dp_rank=index)
+        rank = _Rank(index, scheduler)
+        if self.load_sink is not None:
+            current = functools.partial(scheduler.load, self.worker_id or 0)
+            rank.load = LoadPublisher(self.load_sink, self.clock, current, index)
+        return rank
+
     async def drain(self) -> None:
         """Called after the grace period: refuse new requests and fail those still in flight."""
         self._closed = True
@@ -157,7 +151,7 @@ class MockerEngine(LLMEngine):
         """Stop the step loops and end every open stream. Idempotent; safe before start()."""
         self._closed = True
         tasks, self._tasks = self._tasks, []
-        tasks += [r.load_flush for r in self._ranks if r.load_flush is not None]
+        tasks += [r.load.flush_task for r in self._ranks if r.load and r.load.flush_task]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -393,37 +387,8 @@ class MockerEngine(LLMEngine):
         await self._publish_load(rank)
 
     async def _publish_load(self, rank: _Rank, *, settled: bool = False) -> None:
-        """Send the rank's load if it changed since the last one sent, at most every
-        ``LOAD_INTERVAL_S``. When ``settled`` (the rank is about to wait) a load held back by
-        the interval goes out at the interval's end (one trailing task)."""
-        if self.load_sink is None:
-            return
-        now = self.clock.now()
-        if now >= rank.next_load_at:
-            await self._send_load(rank, now)
-        elif settled and rank.load_flush is None:
-            rank.load_flush = asyncio.create_task(
-                self._send_load_later(rank, rank.next_load_at - now),
-                name=f"mocker-load:{rank.index}",
-            )
-
-    async def _send_load(self, rank: _Rank, now: float) -> None:
-        assert self.load_sink is not None
-        load = rank.scheduler.load(self.worker_id or 0)
-        if load != rank.last_load:
-            rank.last_load = load
-            rank.next_load_at = now + LOAD_INTERVAL_S
-            try:
-                await self.load_sink(load)
-            except Exception:
-                log.exception("load sink failed (rank %d)", rank.index)
-
-    async def _send_load_later(self, rank: _Rank, delay: float) -> None:
-        try:
-            await self.clock.sleep(delay)
-        finally:
-            rank.load_flush = None
-        await self._send_load(rank, self.clock.now())
+        if rank.load is not None:
+            await rank.load.publish(settled=settled)
 
     def _fail_all(self, error: DynamoError) -> None:
         for rank in self._ranks:

@@ -1,5 +1,5 @@
 /*
- * dynamo.runtime._http: the native request path of the small HTTP server (http_server.py).
+ * dynamo.runtime._http: the native request path of the JSON servers (http_json.py).
  *
  * Why: with httptools every request of the slot tracker ran ~10 Python frames in the HTTP layer
  * alone (data_received, one callback per URL piece and header, headers/body/message complete,
@@ -558,7 +558,7 @@ static PyTypeObject DispatcherType = {
 static struct PyModuleDef http_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dynamo.runtime._http",
-    .m_doc = "Native request path of the small HTTP server (runtime/http_server.py).",
+    .m_doc = "Native request path of the JSON servers (runtime/http_json.py).",
     .m_size = -1,
 };
 

@@ -4,7 +4,7 @@
  * Why: the endpoint is the slot tracker's hottest. Through the app it costs a msgspec Struct, a
  * Raw, four Python frames (handler, registry, ActiveSequences, the comprehension), one
  * PotentialLoad per rank and their encoding; here it is one C call from the HTTP server's
- * native path (a ``fast_routes`` entry, see runtime/http_server.py).
+ * native path (a ``fast_routes`` entry, see runtime/http_json.py).
  *
  * Contract: potential_loads(trackers, body) returns the exact bytes the app's handler would
  * answer with 200, or None, and then the app answers (its errors, and anything this does not

@@ -21,7 +21,7 @@ import msgspec
 
 from dynamo import native
 from dynamo.router.block_counts import BlockCounts
-from dynamo.runtime.http_server import FastRoutes
+from dynamo.runtime.http_json import FastRoutes
 from dynamo.slot_tracker.registry import Registry, TrackerError
 from dynamo.slot_tracker.replica import PeerError, ReplicaSync
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from dynamo.router.sequences import DEFAULT_EXPIRY_S
 from dynamo.runtime.config import add_flag
+from dynamo.runtime.http_json import DEFAULT_MAX_BODY_BYTES
 from dynamo.runtime.http_limits import HttpLimits
-from dynamo.runtime.http_server import DEFAULT_MAX_BODY_BYTES
 from dynamo.slot_tracker.replica import DEFAULT_QUEUE_SIZE, validate_endpoint
 
 

@@ -11,7 +11,8 @@ from mocker_sim import BlockSetSubscriber, make_request
 
 from dynamo.backend.testing import check_engine
 from dynamo.mocker.config import MockerConfig
-from dynamo.mocker.engine import LOAD_INTERVAL_S, MockerEngine
+from dynamo.mocker.engine import MockerEngine
+from dynamo.mocker.load_publisher import LOAD_INTERVAL_S
 from dynamo.mocker.timing import VirtualClock, decode_ms, prefill_ms
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.kv_events import KVEventBatch

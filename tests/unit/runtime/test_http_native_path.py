@@ -13,8 +13,8 @@ import random
 
 import pytest
 
+from dynamo.runtime.http_json import HttpProtocol, native_path
 from dynamo.runtime.http_limits import HttpLimits
-from dynamo.runtime.http_server import HttpProtocol, native_path
 from tests.fakes import FakeTransport
 
 LIMITS = HttpLimits(max_header_bytes=1024)

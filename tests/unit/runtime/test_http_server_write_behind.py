@@ -19,7 +19,8 @@ import pytest
 import uvloop
 
 from dynamo.runtime import write_behind as write_behind_module
-from dynamo.runtime.http_server import _LINGER_S, HttpServer
+from dynamo.runtime.http_json import _LINGER_S
+from dynamo.runtime.http_server import HttpServer
 from dynamo.runtime.write_behind import (
     BUSY_POLL_MIN_ITERATIONS,
     BUSY_POLL_WINDOW_S,
@@ -499,7 +500,7 @@ async def test_closed_connections_leave_no_descriptors() -> None:
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of ``http_server``: the test moves ``now``."""
+    """Stands in for the ``time`` module of ``write_behind``: the test moves ``now``."""
 
     def __init__(self) -> None:
         self.now = 1000.0

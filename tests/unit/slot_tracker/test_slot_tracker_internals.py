@@ -7,7 +7,7 @@ import argparse
 import msgspec
 import pytest
 
-from dynamo.runtime.http_server import HttpProtocol
+from dynamo.runtime.http_json import HttpProtocol
 from dynamo.slot_tracker.app import SlotTrackerApp
 from dynamo.slot_tracker.config import SlotTrackerConfig, add_arguments, from_args
 from dynamo.slot_tracker.registry import Op, Registry, TrackerError
