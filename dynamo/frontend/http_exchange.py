@@ -6,13 +6,13 @@ connection-level error answers are rendered here too."""
 from __future__ import annotations
 
 import asyncio
-import http
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from dynamo.frontend.errors import HTTPError, to_http
 from dynamo.frontend.exchange import ClientDisconnected, StreamSink
 from dynamo.frontend.idle import TaskDeadline
+from dynamo.runtime.http_render import reason
 
 if TYPE_CHECKING:
     from dynamo.frontend.http_front import FrontConnection
@@ -21,24 +21,10 @@ END = b"0\r\n\r\n"
 """The last chunk of a chunked body."""
 
 
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Site Overloaded" if status == 529 else "Status"
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
-
-
-_STATUS_LINES: dict[int, bytes] = {}
-
-
 def render_head(status: int, headers: list[tuple[str, str]], tail: str) -> bytes:
     """A response head: status line, ``headers``, then ``tail`` (framing, ``connection``)."""
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        line = _STATUS_LINES[status] = _status_line(status)
     return (
-        line
+        b"HTTP/1.1 %s\r\n" % reason(status)
         + "".join([f"{name}: {value}\r\n" for name, value in headers]).encode()
         + (tail.encode())
     )

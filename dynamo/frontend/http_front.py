@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -49,7 +48,17 @@ import httptools
 
 from dynamo.frontend.exchange import ClientDisconnected, Exchange
 from dynamo.frontend.http_exchange import REFUSAL, HttpExchange, error_response
-from dynamo.runtime.http_connection import BUSY, HEAD, IDLE, NEW, ServerContext
+from dynamo.runtime.http_connection import (
+    BUSY,
+    CONTINUE,
+    HEAD,
+    IDLE,
+    LINGER_S,
+    NEW,
+    ParseAbort,
+    ServerContext,
+    write_behind_fd,
+)
 
 log = logging.getLogger(__name__)
 _now = time.monotonic
@@ -62,12 +71,8 @@ MAX_HEADER_FIELDS = 100
 it, 30,000 repeats of one short header (within ``max_header_bytes``) cost 0.1 s of the loop."""
 FEED_BYTES = 8192
 """A larger read is parsed in slices of this size, the rest held while the queue is full."""
-LINGER_S = 2.0
-"""After an answer that leaves request bytes unread (413, an unread body), the connection reads
-and drops its input this long before it closes, so the client reads the answer, not a reset."""
 MAX_LINGERING_REFUSALS = 1024
 """Refused connections (past the limit) kept lingering at once; beyond, closed at once."""
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class FrontConnection(asyncio.Protocol):
@@ -149,12 +154,7 @@ class FrontConnection(asyncio.Protocol):
         if len(ctx.connections) >= ctx.limits.max_connections:
             self._refuse()
             return
-        write_behind = ctx.write_behind
-        if write_behind is not None and write_behind.running:
-            try:
-                self._fd = os.dup(transport.get_extra_info("socket").fileno())
-            except OSError as exc:  # out of descriptors: this connection writes itself
-                log.warning("write-behind unavailable for a connection: %s", exc)
+        self._fd = write_behind_fd(transport, ctx.write_behind)
         ctx.connections.add(self)
 
     def _refuse(self) -> None:
@@ -213,10 +213,10 @@ class FrontConnection(asyncio.Protocol):
                         self._held = data[at:]
                         break
                     self._parser.feed_data(data[at : at + FEED_BYTES])
-        except _Abort:
+        except ParseAbort:
             pass
         except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, _Abort):
+            if not isinstance(exc.__context__, ParseAbort):
                 log.exception("HTTP callback failed")
                 self._fail(500, "internal error while reading the request")
         except httptools.HttpParserUpgrade:
@@ -340,7 +340,7 @@ class FrontConnection(asyncio.Protocol):
         self._url += url
         if len(self._url) > self._ctx.limits.max_header_bytes:
             self._fail(431, "request headers too large")
-            raise _Abort
+            raise ParseAbort
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
@@ -350,7 +350,7 @@ class FrontConnection(asyncio.Protocol):
             or self._fields > MAX_HEADER_FIELDS
         ):
             self._fail(431, "request headers too large")
-            raise _Abort
+            raise ParseAbort
         if self._parsing is not None:  # a chunked body's trailer: not merged (RFC 9110 6.5.1)
             return
         key = name.decode("latin-1").lower()
@@ -364,14 +364,14 @@ class FrontConnection(asyncio.Protocol):
         if coding is not None and coding.strip().lower() != "chunked":
             # a coding we would pass on undecoded (gzip, ...): refused, not ignored
             self._fail(501, f"transfer coding {coding!r} is not supported")
-            raise _Abort
+            raise ParseAbort
         url = self._url
         if url[:1] != b"/" and url != b"*":  # absolute-form (a proxy's): route by its path
             try:
                 url = httptools.parse_url(url).path or b"/"
             except httptools.HttpParserInvalidURLError:
                 self._fail(400, "malformed request target")
-                raise _Abort from None
+                raise ParseAbort from None
         path = url.partition(b"?")[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
@@ -406,7 +406,7 @@ class FrontConnection(asyncio.Protocol):
         ex.complete()
         if ex.closes:  # not keep-alive: what follows is not read
             self._closing = True
-            raise _Abort
+            raise ParseAbort
 
     # -- handlers -------------------------------------------------------------------------
     def _start(self, ex: HttpExchange) -> None:
@@ -417,7 +417,7 @@ class FrontConnection(asyncio.Protocol):
             and (ex.header("expect") or "").lower() == "100-continue"
             and (ex._declared is None or ex._declared <= self.max_body_bytes)
         ):
-            self.write(_CONTINUE)
+            self.write(CONTINUE)
         self.state = BUSY
         task = self._task = self.loop.create_task(self._serve(ex))
         task.add_done_callback(self._handled)
@@ -475,10 +475,6 @@ class FrontConnection(asyncio.Protocol):
         """Cancel the running handler (server stop)."""
         if self._task is not None:
             self._task.cancel()
-
-
-class _Abort(Exception):
-    """Raised from a parser callback to stop parsing a connection's input."""
 
 
 def connection_factory(

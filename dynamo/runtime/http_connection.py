@@ -6,12 +6,16 @@ a connection factory receives (``HttpServer(connection=...)``: the frontend's co
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
 
 # A connection's state, for the timeout sweep: between requests, in the headers, in the body,
 # new (no byte yet: the header timeout), busy (a handler owns it: its own deadlines apply).
@@ -47,3 +51,26 @@ class ServerContext:
 
 ConnectionFactory = Callable[[ServerContext], asyncio.Protocol]
 """Makes the protocol of one accepted connection (it must also be a :class:`Connection`)."""
+
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LINGER_S = 2.0
+"""After an answer that leaves request bytes unread (413, an unread body, a framing error), a
+connection reads and drops its input this long before it closes, so the client reads the
+answer, not a reset."""
+
+
+class ParseAbort(Exception):
+    """Raised from a parser callback to stop parsing a connection's input."""
+
+
+def write_behind_fd(transport: asyncio.BaseTransport, write_behind: WriteBehind | None) -> int:
+    """A dup of ``transport``'s socket for the write-behind thread, or -1: no thread (or it is
+    stopping), or no descriptor left (the connection then writes through its transport)."""
+    if write_behind is None or not write_behind.running:
+        return -1
+    try:
+        return os.dup(transport.get_extra_info("socket").fileno())
+    except OSError as exc:
+        log.warning("write-behind unavailable for a connection: %s", exc)
+        return -1

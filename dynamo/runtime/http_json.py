@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
@@ -24,7 +23,15 @@ from typing import TYPE_CHECKING, Protocol, cast
 import httptools
 
 from dynamo import native
-from dynamo.runtime.http_connection import BODY, HEAD, IDLE
+from dynamo.runtime.http_connection import (
+    BODY,
+    CONTINUE,
+    HEAD,
+    IDLE,
+    LINGER_S,
+    ParseAbort,
+    write_behind_fd,
+)
 from dynamo.runtime.http_limits import HttpLimits
 from dynamo.runtime.http_render import JSON_TYPE, PREFIXES, render, render_keep_alive
 from dynamo.runtime.write_behind import WriteBehind
@@ -45,8 +52,6 @@ _TIMED_OUT = b'{"error":"request not received in time"}'
 _BUSY = b'{"error":"too many connections"}'
 _INTERNAL = b'{"error":"internal error"}'
 _IDLE, _HEAD, _BODY = IDLE, HEAD, BODY
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_LINGER_S = 2.0
 
 
 class App(Protocol):
@@ -81,10 +86,6 @@ def native_path(app: App, limits: HttpLimits, max_body_bytes: int) -> Dispatcher
         app.handle, render_keep_alive, PREFIXES, routes, limits.max_header_bytes, max_body_bytes
     )
     return dispatcher
-
-
-class _Abort(Exception):
-    """Raised from a parser callback to stop parsing a connection's input."""
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -164,11 +165,7 @@ class HttpProtocol(asyncio.Protocol):
             self._transport.write(render(503, _BUSY, close=True))
             self._transport.close()
             return
-        if self._write_behind is not None and self._write_behind.running:
-            try:
-                self._fd = os.dup(transport.get_extra_info("socket").fileno())
-            except OSError as exc:  # out of descriptors: this connection writes itself
-                log.warning("write-behind unavailable for a connection: %s", exc)
+        self._fd = write_behind_fd(transport, self._write_behind)
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -221,10 +218,10 @@ class HttpProtocol(asyncio.Protocol):
             self.since = _now()
         try:
             self._parser.feed_data(data)
-        except _Abort:
+        except ParseAbort:
             pass
         except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, _Abort):
+            if not isinstance(exc.__context__, ParseAbort):
                 log.exception("HTTP callback failed")
                 self._fail(500, _INTERNAL)
         except httptools.HttpParserUpgrade:
@@ -267,10 +264,10 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = True  # data_received now discards
         if linger and self._fd >= 0 and self._write_behind is not None:
             self._write_behind.shutdown_write(self._fd)
-            asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
         elif linger and transport.can_write_eof():
             transport.write_eof()
-            asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
         else:
             transport.close()
 
@@ -286,21 +283,21 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
         if len(self._url) > self._max_header_bytes:
             self._fail(431, _HEADERS_TOO_LARGE)
-            raise _Abort
+            raise ParseAbort
 
     def on_header(self, name: bytes, value: bytes) -> None:
         size = len(name)
         self._head_bytes += size + len(value)
         if self._head_bytes > self._max_header_bytes:
             self._fail(431, _HEADERS_TOO_LARGE)
-            raise _Abort
+            raise ParseAbort
         if size == 12 and name.lower() == b"content-type":
             self._content_type = value
         elif size == 14 and name.lower() == b"content-length":
             # llhttp has validated the value; only ones as long as the limit can exceed it.
             if len(value) >= self._limit_digits and int(value) > self._limit:
                 self._fail(413, _TOO_LARGE, linger=True)
-                raise _Abort
+                raise ParseAbort
         elif size == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True  # answered once every header is known (length checked)
 
@@ -309,13 +306,13 @@ class HttpProtocol(asyncio.Protocol):
         self.since = _now()
         if self._expect_continue:
             self._expect_continue = False
-            self._write(_CONTINUE)
+            self._write(CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
         if self._body_len > self._limit:
             self._fail(413, _TOO_LARGE, linger=True)
-            raise _Abort
+            raise ParseAbort
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -354,4 +351,4 @@ class HttpProtocol(asyncio.Protocol):
         self._send(data)
         if not keep_alive:
             self.close()
-            raise _Abort
+            raise ParseAbort

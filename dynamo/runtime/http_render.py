@@ -6,6 +6,8 @@ format in Python, a few copies in ``_http.c``); everything else goes through ``r
 
 from __future__ import annotations
 
+import http
+
 REASONS = {
     100: b"100 Continue",
     200: b"200 OK",
@@ -29,6 +31,22 @@ PREFIXES = {
 }
 
 
+_OTHER_REASONS: dict[int, bytes] = {}
+
+
+def reason(status: int) -> bytes:
+    """``<status> <phrase>`` of a status line: ``REASONS``', else the standard phrase (529, not
+    in the standard, is the reference's "Site Overloaded")."""
+    known = REASONS.get(status) or _OTHER_REASONS.get(status)
+    if known is None:
+        try:
+            phrase = http.HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Site Overloaded" if status == 529 else "Status"
+        known = _OTHER_REASONS[status] = b"%d %s" % (status, phrase.encode())
+    return known
+
+
 def render_keep_alive(result: tuple[int, bytes] | tuple[int, bytes, bytes]) -> bytes:
     """A keep-alive answer to a native-path request that has no pre-rendered head."""
     media_type = result[2] if len(result) == 3 else JSON_TYPE
@@ -44,12 +62,12 @@ def render(
     content_type: bytes = JSON_TYPE,
 ) -> bytes:
     """One HTTP/1.1 response (keep-alive JSON answers take ``PREFIXES``)."""
-    reason = REASONS.get(status) or b"%d Status" % status
+    line = reason(status)
     conn = b"connection: close\r\n" if close else b""
     if not body:
-        return b"HTTP/1.1 %s\r\n%scontent-length: 0\r\n\r\n" % (reason, conn)
+        return b"HTTP/1.1 %s\r\n%scontent-length: 0\r\n\r\n" % (line, conn)
     return b"HTTP/1.1 %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
-        reason,
+        line,
         content_type,
         conn,
         len(body),

@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from dynamo.runtime import write_behind as write_behind_module
-from dynamo.runtime.http_json import _LINGER_S
+from dynamo.runtime.http_connection import LINGER_S
 from dynamo.runtime.http_server import HttpServer
 from dynamo.runtime.write_behind import (
     BUSY_POLL_MIN_ITERATIONS,
@@ -262,7 +262,7 @@ async def check_oversized_bodies(write_behind: bool) -> None:
                 assert "error" in json.loads(response.body)
                 started = time.monotonic()
                 assert await client.rest() == (b"", False)
-                assert time.monotonic() - started < _LINGER_S  # a half-close, not the close
+                assert time.monotonic() - started < LINGER_S  # a half-close, not the close
         async with connected(server.port) as client:  # the server is fine
             client.send(request(b"/ok"))
             assert (await client.response()).body == echo(b"GET", b"/ok")
