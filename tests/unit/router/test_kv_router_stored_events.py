@@ -4,8 +4,10 @@ for a dump; a history with a hole (retention dropped its start) still falls back
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
+import nats
 import pytest
 
 from dynamo.protocol.kv_events import (
@@ -21,6 +23,7 @@ from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import local_block_hashes
 from dynamo.router.kv_router import KVRouter
 from dynamo.runtime.config import RuntimeConfig
+from dynamo.runtime.event_plane.nats import stored_stream_name
 from dynamo.runtime.naming import EndpointId
 from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 from tests.fakes import make_card
@@ -74,14 +77,31 @@ async def publish_chain(
         parent = block_hash
 
 
+async def wait_stored(url: str, count: int) -> None:
+    """Until the stream holds ``count`` messages: a publish only queues in the publisher's
+    client, so the router (another connection) could otherwise start before the last ones are
+    stored and receive them live instead, after the test's first look at its index."""
+    client = await nats.connect(url)
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                info = await client.jetstream().stream_info(stored_stream_name(ENDPOINT.namespace))
+                if info.state.messages >= count:
+                    return
+                await asyncio.sleep(0.01)
+    finally:
+        await client.close()
+
+
 async def test_late_router_applies_stored_events_without_asking_workers(
-    runtimes: list[DistributedRuntime],
+    runtimes: list[DistributedRuntime], nats_server: NatsServer
 ) -> None:
     worker, frontend = runtimes
     tokens = list(range(BLOCK * 6))
     await publish_chain(worker, 0xA1, tokens, first_id=0)
     await publish_chain(worker, 0xB2, tokens[: BLOCK * 3], first_id=7)  # its start is gone
     await worker.events.publish(KV_EVENTS_TOPIC, b"not a batch")  # skipped
+    await wait_stored(nats_server.url, 6 + 3 + 1)
     router = await KVRouter.create(frontend, card(0xA1), KVRouterSettings())
     try:
         router.add_worker(card(0xA1))
