@@ -44,14 +44,18 @@ def test_a_touched_region_is_collapsed_in_a_fresh_process() -> None:
         "from dynamo.runtime.huge_pages import back_heap_with_huge_pages\n"
         "m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
         "for i in range(0, len(m), 4096): m[i] = 1\n"
+        "free = sum(sum(map(int, l.split()[4 + 9:])) for l in open('/proc/buddyinfo'))\n"
         "done = back_heap_with_huge_pages()\n"
         "huge = [l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]\n"
-        "print(done >> 20, int(huge[0].split()[1]) >> 10)\n"
+        "print(done >> 20, int(huge[0].split()[1]) >> 10, free)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split()
-    collapsed, huge = int(out[0]), int(out[1])
+    collapsed, huge, free_huge = int(out[0]), int(out[1]), int(out[2])
     if collapsed == 0:
         pytest.skip("the kernel refused MADV_COLLAPSE (before Linux 6.1?)")
+    if collapsed < 14 and free_huge < 16:
+        # memory too fragmented for the region's 2 MiB pages: the kernel collapses what it can
+        pytest.skip(f"only {free_huge} free 2 MiB blocks: memory fragmented, not our code")
     assert collapsed >= 14 and huge >= 14  # the 16 MiB region's aligned part, at least
