@@ -122,8 +122,8 @@ def assert_no_error_logs(caplog: pytest.LogCaptureFixture) -> None:
     assert not bad, [r.getMessage() for r in bad]
 
 
-async def start(stack: Stack, *flags: str, **config: object) -> int:
-    await stack.add_worker("--speedup-ratio", "50", *flags)
+async def start(stack: Stack, *flags: str, speedup: int = 50, **config: object) -> int:
+    await stack.add_worker("--speedup-ratio", str(speedup), *flags)
     await stack.start_frontend(limits=LIMITS, **config)
     await stack.wait_for_model()
     assert stack.frontend is not None
@@ -397,12 +397,14 @@ async def test_vanishing_clients_free_everything(
     stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    port = await start(stack, "--block-size", "16", router_mode="kv")
+    # slow enough that 2,000 tokens outlast the test's reading of 40 heads on a loaded machine
+    # (at 50x a CI run saw every stream finish before the check that they are in flight)
+    port = await start(stack, "--block-size", "16", speedup=5, router_mode="kv")
     assert stack.frontend is not None
     # half-closed after the request (a disconnect, as for hyper): nothing runs on for it
     for stream in (True, False):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(chat_request(stream, max_tokens=400))
+        writer.write(chat_request(stream, max_tokens=2000))
         writer.write_eof()
         async with asyncio.timeout(10):
             await reader.read()
@@ -411,7 +413,7 @@ async def test_vanishing_clients_free_everything(
     # 40 streams reset at the same moment (SO_LINGER 0), mid-stream
     conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
     for _, writer in conns:
-        writer.write(chat_request(True, max_tokens=400))
+        writer.write(chat_request(True, max_tokens=2000))
     for reader, _ in conns:
         assert (await reader.read(100)).startswith(b"HTTP/1.1 200")
     assert stack.frontend.generate.inflight > 0
@@ -424,7 +426,7 @@ async def test_vanishing_clients_free_everything(
     # and 40 more that just close (FIN) mid-stream, together
     conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
     for _, writer in conns:
-        writer.write(chat_request(True, max_tokens=400))
+        writer.write(chat_request(True, max_tokens=2000))
     for reader, _ in conns:
         await reader.read(100)
     for _, writer in conns:
