@@ -96,7 +96,7 @@ async def test_cancel_mid_stream_aborts_engine(
             ctx.stop_generating()
     elapsed = time.monotonic() - t0
     assert received[-1].finish_reason is FinishReason.CANCELLED
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 5.0, elapsed  # prompt, not the stream's 1,000 s (generous: a loaded CI)
     await asyncio.to_thread(procs[0].wait_for_line, "ABORT cancel-me", 5)
 
 
@@ -115,20 +115,17 @@ async def test_sigkill_mid_stream_is_incomplete(
             if n == 3:
                 procs[0].popen.send_signal(signal.SIGKILL)
                 t0 = time.monotonic()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # at once, not a hang (generous: a loaded CI)
 
 
 async def test_sigterm_shutdown_order(spawn: Any, client_runtime: DistributedRuntime) -> None:
     procs, client = await start_workers(spawn, client_runtime, TOKEN_DELAY="0.01", GRACE="5")
-    # An in-flight request of ~1 s must finish within the grace period.
-    task = asyncio.create_task(
-        outputs(
-            client.stream(body(max_tokens=100), Context(), instance_id=client.instance_ids()[0])
-        )
-    )
-    await asyncio.sleep(0.2)
+    # An in-flight request of ~1 s must finish within the grace period. In flight: its first
+    # token is out (a fixed wait could signal before the request reached a loaded worker).
+    stream = client.stream(body(max_tokens=100), Context(), instance_id=client.instance_ids()[0])
+    first = _dec.decode(await asyncio.wait_for(anext(stream), 10))
     procs[0].popen.send_signal(signal.SIGTERM)
-    outs = await asyncio.wait_for(task, 10)
+    outs = [first, *await asyncio.wait_for(outputs(stream), 10)]
     assert outs[-1].finish_reason is FinishReason.LENGTH
     assert len([t for o in outs for t in o.token_ids]) == 100
     await asyncio.to_thread(procs[0].popen.wait, 10)

@@ -42,6 +42,24 @@ async def chat(stack: Stack, text: str) -> dict:
     return r.json()
 
 
+async def wait_indexed(stack: Stack, text: str, worker_id: int, dp_rank: int = 0) -> None:
+    """Until the KV router's index holds the prompt of ``text`` on that worker rank: the
+    request's KV events reach the router through the event plane (another task), so its
+    response can come first, however long a fixed sleep would wait on a loaded machine."""
+    assert stack.frontend is not None
+    entry = stack.frontend.registry.get("demo")
+    router = entry.router
+    assert isinstance(router, KVRouter) and router.indexer is not None
+    assert entry.pipeline is not None
+    prepared = entry.pipeline.preprocessor.chat(
+        [{"role": "user", "content": text}], GenerationParams(max_tokens=4)
+    )
+    local = local_block_hashes(prepared.request.token_ids, 16)
+    async with asyncio.timeout(10):
+        while router.indexer.find_matches(local).get((worker_id, dp_rank), 0) < len(local) - 1:
+            await asyncio.sleep(0.01)
+
+
 async def test_shared_prefixes_go_to_the_worker_that_holds_them(stack: Stack) -> None:
     for _ in range(4):
         await stack.add_worker(*MOCKER)
@@ -51,7 +69,7 @@ async def test_shared_prefixes_go_to_the_worker_that_holds_them(stack: Stack) ->
     for group in range(4):
         first = await chat(stack, prompt(group, 0))
         owner[group] = first["nvext"]["worker_id"]["decode_worker_id"]
-        await asyncio.sleep(0.05)  # the KV events of the first request reach the router
+        await wait_indexed(stack, prompt(group, 0), owner[group])
     for group in range(4):
         for unique in range(1, 4):
             body = await chat(stack, prompt(group, unique))
@@ -201,8 +219,8 @@ async def test_router_metrics_are_exposed(stack: Stack) -> None:
     await stack.add_worker(*MOCKER)
     client = await stack.start_frontend(router_mode="kv")
     await stack.wait_for_model()
-    await chat(stack, prompt(1, 0))
-    await asyncio.sleep(0.1)  # the request's KV events reach the router
+    first = await chat(stack, prompt(1, 0))
+    await wait_indexed(stack, prompt(1, 0), first["nvext"]["worker_id"]["decode_worker_id"])
     await chat(stack, prompt(1, 1))
     text = (await client.get("/metrics")).text
     assert stack.frontend is not None
@@ -232,8 +250,9 @@ async def test_dp_ranks_are_routing_targets(stack: Stack) -> None:
                 "nvext": {"dp_rank": rank, "extra_fields": ["worker_id"]},
             },
         )
-        assert r.json()["nvext"]["worker_id"]["decode_dp_rank"] == rank
-    await asyncio.sleep(0.05)  # KV events of both ranks reach the router
+        worker = r.json()["nvext"]["worker_id"]
+        assert worker["decode_dp_rank"] == rank
+        await wait_indexed(stack, prompt(group, 0), worker["decode_worker_id"], rank)
     for group, rank in ((5, 0), (6, 1)):  # no hint: the rank holding the prefix wins
         body = await chat(stack, prompt(group, 1))
         assert body["nvext"]["worker_id"]["decode_dp_rank"] == rank

@@ -120,7 +120,13 @@ def test_prefill_on_the_prefill_worker_and_its_death_fails_cleanly() -> None:
             target=lambda: outcome.append(chat(stack.port, long_prompt("doomed", 700)))
         )
         waiting.start()
-        time.sleep(0.4)
+        # mid-prefill (its 5,352 tokens take about 2 s at 1/20 speed), not before it arrived:
+        # on a loaded machine a fixed wait could kill the worker before the request reached it
+        wait_for(
+            lambda: metric_sum(p_port, "dynamo_component_inflight_requests") >= 1,
+            "the doomed prompt prefilling on the prefill worker",
+            timeout=20,
+        )
         prefill.popen.send_signal(signal.SIGKILL)
         waiting.join(60)
         assert outcome, "the request hung"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import resource
 import socket
 import time
@@ -58,7 +59,10 @@ async def read_all(reader: asyncio.StreamReader, timeout: float = 5.0) -> bytes:
 @MODES
 async def test_connection_past_the_limit_gets_503_and_close(write_behind: bool) -> None:
     app = OkApp()
-    async with serving(app, FAST, write_behind=write_behind) as server:
+    # the held connections must outlast the test's steps: FAST's 0.3 s header timeout would
+    # free their places (and end held[0]) on a loaded machine before the 9th connects
+    limits = dataclasses.replace(FAST, header_timeout_s=5.0, keep_alive_timeout_s=5.0)
+    async with serving(app, limits, write_behind=write_behind) as server:
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
         await asyncio.sleep(0.05)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
