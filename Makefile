@@ -42,6 +42,7 @@ FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
 	tests/e2e/test_slot_tracker_replicas.py tests/unit/pytorch/test_attention.py \
 	tests/unit/engine_core tests/unit/mocker/test_scheduler.py \
 	tests/unit/bench/test_bench_workload.py tests/unit/bench/test_draw_native.py \
+	tests/unit/bench/test_stats_native.py tests/unit/bench/test_bench_report.py \
 	tests/unit/replay/test_events_native.py tests/unit/replay/test_replay.py
 
 test-fallback: $(VENV)/.installed

@@ -9,14 +9,17 @@ throughputs over the measured window (first request sent -> last response ended)
 from __future__ import annotations
 
 import datetime
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from dynamo import native
+from dynamo.bench import _stats_fallback
+from dynamo.bench._stats_fallback import percentile as percentile
 from dynamo.bench.request import RequestRecord
 
 SUMMARY_FILE = "summary.json"
@@ -25,30 +28,25 @@ _LATENCY_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms")
 _NOT_COMPARED = ("config", "date", "server", "error_examples", "version")
 
 
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of sorted values, linear interpolation."""
-    if not ordered:
-        raise ValueError("percentile of no values")
-    pos = (len(ordered) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+_impl = native.load("dynamo.bench._stats", "dynamo.bench._stats_fallback", requires=("figures",))
+STATS_IMPLEMENTATION: str = _impl.__name__
+"""The module computing :func:`stats` (``dynamo.bench._stats`` or its fallback)."""
+_FIGURES = ("count", "mean", "min", "p50", "p90", "p99", "max")
 
 
 def stats(values: Iterable[float], scale: float = 1.0) -> dict[str, float | int | None]:
-    """count, mean, min, p50, p90, p99, max of ``values`` times ``scale`` (None when empty)."""
-    ordered = sorted(v * scale for v in values)
-    if not ordered:
+    """count, mean, min, p50, p90, p99, max of ``values`` times ``scale`` (None when empty).
+
+    The definition is ``_stats_fallback.figures``: the scaled values sorted, the mean their
+    ``sum`` in that order over the count (the figures are bit-stable); the native module
+    computes the same floats over an array of doubles (a replay's ITLs are one per token)."""
+    data = values if type(values) is list else list(values)
+    figures = _impl.figures(data, scale)
+    if figures is None:  # the native module defers (a NaN, an unusual type): the definition
+        figures = _stats_fallback.figures(data, scale)
+    if not figures[0]:
         return dict.fromkeys(("mean", "min", "p50", "p90", "p99", "max"), None) | {"count": 0}
-    return {
-        "count": len(ordered),
-        "mean": sum(ordered) / len(ordered),
-        "min": ordered[0],
-        "p50": percentile(ordered, 50),
-        "p90": percentile(ordered, 90),
-        "p99": percentile(ordered, 99),
-        "max": ordered[-1],
-    }
+    return dict(zip(_FIGURES, figures, strict=True))
 
 
 def summarize(
@@ -83,7 +81,7 @@ def summarize(
         "output_token_throughput_tps": output_total / window,
         "input_token_throughput_tps": prompt_total / window,
         "ttft_ms": stats((r.ttft for r in ok if r.ttft is not None), 1000.0),
-        "itl_ms": stats((gap for r in ok for gap in r.itl), 1000.0),
+        "itl_ms": stats(chain.from_iterable([r.itl for r in ok]), 1000.0),
         "tpot_ms": stats((t for r in ok if (t := r.tpot) is not None), 1000.0),
         "e2e_latency_ms": stats((r.e2e for r in ok), 1000.0),
         "input_tokens": stats(r.prompt_tokens or 0 for r in with_usage),

@@ -7,6 +7,7 @@ when they meet, the pass samples one new token.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -160,13 +161,56 @@ def sequence_from_request(
     ``hashes``: the prompt's (local, sequence) block hashes when the caller has them already
     (the offline replay hashes once for the router and the engine); the lists are copied.
     """
-    isl = len(request.token_ids)
+    stop = request.stop
+    return new_sequence(
+        config,
+        request.token_ids,
+        request_id,
+        now,
+        max_tokens=stop.max_tokens,
+        min_tokens=stop.min_tokens or 0,
+        stop_token_ids=stop.stop_token_ids,
+        eos_token_ids=request.eos_token_ids,
+        ignore_eos=stop.ignore_eos,
+        lora_name=request.lora_name,
+        seed=request.sampling.seed,
+        handoff=request.prefill_result,
+        reuse_prefix_cache=request.output.prompt_logprobs is None,
+        seed_id=seed_id,
+        hashes=hashes,
+    )
+
+
+_NO_IDS: frozenset[int] = frozenset()
+
+
+def new_sequence(
+    config: SchedulerLimits,
+    token_ids: list[int],
+    request_id: str,
+    now: float,
+    *,
+    max_tokens: int | None,
+    min_tokens: int = 0,
+    stop_token_ids: Iterable[int] = (),
+    eos_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    lora_name: str | None = None,
+    seed: int | None = None,
+    handoff: DisaggregatedParams | None = None,
+    reuse_prefix_cache: bool = True,
+    seed_id: str | None = None,
+    hashes: tuple[list[int], list[int]] | None = None,
+) -> Sequence:
+    """:func:`sequence_from_request` from the request's fields (the same checks and result),
+    for a caller that holds them without a ``PreprocessedRequest`` (the offline replay builds
+    one sequence per simulated request). ``token_ids`` is copied."""
+    isl = len(token_ids)
     if isl == 0:
         raise InvalidArgument("the prompt is empty")
     room = config.max_model_len - isl
     if room < 1:
         raise InvalidArgument(f"a prompt of {isl} tokens leaves no room in the context")
-    max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens or 0
     if config.disaggregation_mode == "prefill":
         max_tokens, min_tokens = 1, 0
     elif max_tokens is None:
@@ -190,24 +234,25 @@ def sequence_from_request(
             f"a prompt of {isl} tokens exceeds max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) and chunked prefill is off"
         )
-    eos = frozenset(request.eos_token_ids)
-    stop_ids = frozenset(request.stop.stop_token_ids)
-    handoff = request.prefill_result if config.disaggregation_mode == "decode" else None
+    eos = frozenset(eos_token_ids) if eos_token_ids else _NO_IDS
+    stop_ids = frozenset(stop_token_ids) if stop_token_ids else _NO_IDS
+    if config.disaggregation_mode != "decode":
+        handoff = None
     return Sequence(
         request_id=request_id,
-        tokens=list(request.token_ids),
+        tokens=list(token_ids),
         num_prompt_tokens=isl,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         block_size=config.block_size,
-        lora_name=request.lora_name,
-        rng_state=request_seed(seed_id or request_id, request.sampling.seed) & _MASK64,
-        stop_token_ids=stop_ids if request.stop.ignore_eos else stop_ids | eos,
+        lora_name=lora_name,
+        rng_state=request_seed(seed_id or request_id, seed) & _MASK64,
+        stop_token_ids=stop_ids if ignore_eos else stop_ids | eos,
         banned_token_ids=eos,
         arrival=now,
         handoff=handoff,
         pending_transfer=handoff is not None,
-        reuse_prefix_cache=request.output.prompt_logprobs is None,
+        reuse_prefix_cache=reuse_prefix_cache,
         local_hashes=list(hashes[0]) if hashes is not None else [],
         block_hashes=list(hashes[1]) if hashes is not None else [],
     )

@@ -39,18 +39,16 @@ from dataclasses import dataclass, field
 
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
-from dynamo.engine_core.sequence import Sequence, sequence_from_request
+from dynamo.engine_core.sequence import Sequence, new_sequence
 from dynamo.frontend.disagg import prefill_remotely
 from dynamo.frontend.errors import to_http
 from dynamo.protocol.disagg import DisaggregatedParams
-from dynamo.protocol.request import PreprocessedRequest, RoutingHints, StopConditions
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
     BUSY,
     IDLE,
-    MODEL,
     SCHEDULED,
     WORKER_ID_BASE,
     Rank,
@@ -351,16 +349,15 @@ class Simulation:
         *,
         handoff: DisaggregatedParams | None = None,
     ) -> Sequence:
-        request = PreprocessedRequest(
-            model=MODEL,
-            token_ids=flight.tokens,
-            request_id=flight.request_id,
-            stop=StopConditions(max_tokens=flight.spec.max_tokens, ignore_eos=True),
-            routing=RoutingHints(dp_rank=rank.dp_rank),
-            prefill_result=handoff,
-        )
-        return sequence_from_request(
-            rank.pool.config, request, flight.request_id, self.now, hashes=hashes
+        return new_sequence(
+            rank.pool.config,
+            flight.tokens,
+            flight.request_id,
+            self.now,
+            max_tokens=flight.spec.max_tokens,
+            ignore_eos=True,
+            handoff=handoff,
+            hashes=hashes,
         )
 
     def _enqueue(self, rank: Rank, flight: Flight, seq: Sequence) -> None:
@@ -403,9 +400,7 @@ class Simulation:
         pool = rank.pool
         core = pool.core
         if core is not None and out.events:
-            worker_id, apply = rank.worker_id, core.apply_event
-            for event in out.events:
-                apply(worker_id, event)
+            core.apply_events(rank.worker_id, out.events)
         by_id = self._by_id
         prefill_pool = pool.role == "prefill"
         if not prefill_pool:

@@ -110,6 +110,12 @@ class RoutingCore:
             return EventStatus.OK
         return self.indexer.apply(worker_id, event)
 
+    def apply_events(self, worker_id: int, events: Sequence[KVCacheEvent]) -> None:
+        """:meth:`apply_event` each of ``events`` in order, in one call (the offline replay's
+        pass end). Gaps start recovery in the indexer as with one event at a time."""
+        if self.indexer is not None:
+            self.indexer.apply_events(worker_id, events)
+
     # -- routing ---------------------------------------------------------------------------
     def route(
         self,

@@ -56,6 +56,21 @@ def test_timing_model_speedups_and_transfer() -> None:
 
 
 # -- whole passes on simulated time ----------------------------------------------------------
+def test_pass_seconds_is_the_formulas_bit_for_bit() -> None:
+    """pass_seconds inlines prefill_ms / decode_ms: the same floats, not merely close ones
+    (the replay's records are compared byte for byte)."""
+    for total, speedup, decode_speedup in ((TOTAL, 1.0, 1.0), (8192, 3.0, 0.7), (0, 2.0, 1.0)):
+        model = TimingModel(total, speedup_ratio=speedup, decode_speedup_ratio=decode_speedup)
+        for prefill in (0, 1, 17, 1152, 8192):
+            for ctx in (0, 5, 900, 4000, 8192, TOTAL):
+                for decodes in (0, 1, 8):
+                    want = prefill_ms(prefill)
+                    if decodes:
+                        want += decode_ms(ctx, total) / decode_speedup
+                    got = model.pass_seconds(prefill, ctx, decodes)
+                    assert got == want / speedup / 1000.0, (total, prefill, ctx, decodes)
+
+
 def test_single_request_ttft_and_itl() -> None:
     tr = simulate(scheduler(), [(0.0, "a", make_request(1024, 4))])["a"]
     assert tr.ttft_ms == approx(32.4907)

@@ -4,6 +4,7 @@ encoded as one batch, errors and cancellations confined to their own caller."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Sequence
 
@@ -118,5 +119,37 @@ async def test_a_refused_prompt_does_not_fail_the_prompts_batched_with_it(
             await poisoned
         assert await good == [base.encode("fine words")]
         assert tok.calls == [1, 2]  # batched together, then retried one by one
+    finally:
+        thread.close()
+
+
+class PolicyTokenizer(Tokenizer):
+    """The demo tokenizer, noting the scheduling policy of the thread that encodes."""
+
+    __slots__ = ("policies",)
+
+    def __init__(self, base: Tokenizer) -> None:
+        super().__init__(base.raw)
+        self.policies: list[int] = []
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        self.policies.append(os.sched_getscheduler(0))
+        return super().encode_batch(texts, add_special_tokens)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+async def test_the_thread_runs_as_a_batch_thread_and_the_caller_does_not(
+    demo_model: ModelDir,
+) -> None:
+    """Its wake-ups must not preempt the event loop's thread (which holds the GIL it needs)."""
+    tok = PolicyTokenizer(demo_model.tokenizer)
+    thread = EncodeThread()
+    try:
+        ids = await thread.encode(tok, [PromptText("hello world", False)])
+        assert ids == [demo_model.tokenizer.encode("hello world")]
+        assert tok.policies == [os.SCHED_BATCH]
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop's thread is untouched
     finally:
         thread.close()

@@ -1,0 +1,15 @@
+"""Type stub of the native module ``dynamo.bench._stats`` (source: ``_stats.c``; the same contract
+in Python: ``_stats_fallback.py``). Import through ``dynamo.bench.report``."""
+
+Figures = tuple[
+    int, float | None, float | None, float | None, float | None, float | None, float | None
+]
+
+def figures(values: list[float], scale: float) -> Figures | None:
+    """``(count, mean, min, p50, p90, p99, max)`` of ``sorted(v * scale for v in values)``,
+    the mean ``sum`` of that sorted list over its length, the percentiles linear between
+    neighbours (``bench.report.percentile``); ``(0, None, ...)`` for no values. Bit-identical
+    to the Python twin, or None where this implementation cannot promise that (a NaN, an item
+    that is not an exact float or int, a scale that is not a float): the caller then uses
+    the twin. TypeError if ``values`` is not a list; OverflowError for an int too large for a
+    float."""
