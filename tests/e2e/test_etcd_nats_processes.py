@@ -65,8 +65,9 @@ def stored_events_applied(port: int) -> float:
 
 def cached_tokens_of_repeats(port: int, prompt: str, times: int) -> list[int]:
     """The cached prompt tokens of ``times`` completions of ``prompt``, one after another, the
-    later ones once the first one's KV events reached the router over NATS (another process:
-    the answer can come first, and a fixed wait is a guess on a loaded machine)."""
+    later ones once the first one's KV events (it cached nothing: it stores every block)
+    reached the router over NATS (another process: the answer can come first, and a fixed wait
+    is a guess on a loaded machine)."""
     cached: list[int] = []
     applied = stored_events_applied(port)
     for _ in range(times):
@@ -77,7 +78,7 @@ def cached_tokens_of_repeats(port: int, prompt: str, times: int) -> list[int]:
         usage = json.loads(body)["usage"]
         cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         deadline = time.monotonic() + 30
-        while len(cached) == 1 and stored_events_applied(port) <= applied:
+        while cached == [0] and stored_events_applied(port) <= applied:
             assert time.monotonic() < deadline, "the first request's KV events never arrived"
             time.sleep(0.05)
     return cached
