@@ -51,6 +51,9 @@ class MockerScheduler(Scheduler):
             kv_bytes_per_token=config.kv_bytes_per_token,
         )
         self._sampler = TokenSampler(config.vocab_size, config.special_token_ids)
+        # read once a pass: held here, not looked up through the sampler's properties
+        self._pass_seconds = self.timing.pass_seconds
+        self._vocab_size, self._excluded = self._sampler.vocab_size, self._sampler.excluded
 
     def transfer_seconds(self, num_prompt_tokens: int) -> float:
         return self.timing.transfer_seconds(num_prompt_tokens)
@@ -58,11 +61,10 @@ class MockerScheduler(Scheduler):
     def step(self, now: float) -> StepOutput:
         """Schedule, time and apply one forward pass starting at ``now`` (one kernel call:
         ``Scheduler.mock_pass``)."""
-        sampler = self._sampler
         preempted, prefill, decodes, context, tokens, finished, events = self.mock_pass(
-            now, sampler.vocab_size, sampler.excluded
+            now, self._vocab_size, self._excluded
         )
-        duration = self.timing.pass_seconds(prefill, context, decodes)
+        duration = self._pass_seconds(prefill, context, decodes)
         return StepOutput(
             now, duration, prefill, decodes, context, tokens, finished, preempted, events
         )

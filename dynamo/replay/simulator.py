@@ -380,7 +380,7 @@ class Simulation:
     def _pass_start(self, rank: Rank) -> None:
         sched = rank.sched
         out = sched.step(self.now)
-        if out.is_empty:
+        if out.num_prefill_tokens == 0 and out.num_decodes == 0:  # out.is_empty, inlined
             rank.state = IDLE
             ready = sched.next_ready_at()
             if ready is not None:  # every runnable request waits for its KV transfer
@@ -390,7 +390,7 @@ class Simulation:
         rank.passes += 1
         rank.out = out
         rank.state = BUSY
-        self._push(self.now + out.duration, _PASS_END, rank)
+        self._events_queue.push(self.now + out.duration, _PASS_END, next(self._counter), rank)
 
     def _pass_end(self, rank: Rank) -> None:
         out = rank.out
@@ -436,16 +436,17 @@ class Simulation:
             if self._decode_text is not None:
                 record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
             self._finish(flight)
+        held = pool.queue is not None and not prefill_pool and len(pool.queue) > 0
         if not rank.sched.has_work:
             rank.state = IDLE
-            if core is not None and not prefill_pool:
+            if held:
                 self._release_held()  # prefills completed, requests ended: capacity for the held
             return
         # The next pass starts now, after every arrival and pass end of this instant and after
         # the pass starts already due (its place in the FIFO is taken here, as a push would).
         rank.state = SCHEDULED
         order = next(self._counter)
-        if core is not None and not prefill_pool:
+        if held:
             self._release_held()
         queue = self._events_queue
         if queue.next_when() <= now:  # more is due at this instant: the pass waits its turn
