@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_u64.h"
+
 typedef struct {
     uint64_t hash, local;
     int32_t prev, next; /* LRU links (slots), -1: none */
@@ -134,7 +136,7 @@ to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
     }
     if (overflow < 0)
         return 0;
-    unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+    unsigned long long u = DYN_AS_U64(obj);
     if (u == (unsigned long long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
             return -1;

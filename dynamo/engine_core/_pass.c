@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_u64.h"
+
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define LCG_MUL 6364136223846793005ULL
 #define LCG_INC 1442695040888963407ULL
@@ -984,10 +986,10 @@ append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_
         next = Py_NewRef(local);
     } else {
         unsigned char pair[16];
-        uint64_t parent = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(chain, depth - 1));
+        uint64_t parent = DYN_AS_U64(PyList_GET_ITEM(chain, depth - 1));
         if (parent == (uint64_t)-1 && PyErr_Occurred())
             goto done;
-        uint64_t lo = PyLong_AsUnsignedLongLong(local);
+        uint64_t lo = DYN_AS_U64(local);
         if (lo == (uint64_t)-1 && PyErr_Occurred())
             goto done;
         put_u64_le(pair, parent);

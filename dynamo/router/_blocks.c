@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_u64.h"
+
 typedef struct {
     uint64_t key;
     uint64_t count; /* 0: the slot is empty */
@@ -107,7 +109,7 @@ as_key(PyObject *obj, uint64_t *out)
         return 0;
     }
     if (overflow > 0) {
-        unsigned long long uvalue = PyLong_AsUnsignedLongLong(obj);
+        unsigned long long uvalue = DYN_AS_U64(obj);
         if (uvalue == (unsigned long long)-1 && PyErr_Occurred()) {
             goto out_of_range;
         }

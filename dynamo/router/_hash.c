@@ -19,6 +19,7 @@
 #define XXH_INLINE_ALL
 #define XXH_NO_STREAM
 #include "vendor/xxhash.h"
+#include "../_u64.h"
 
 #define SEQUENCE_SEED 1337ULL /* router.hashing.XXH3_SEED */
 
@@ -45,7 +46,7 @@ token_bytes(PyObject *const *items, Py_ssize_t n, unsigned char *out)
 static int
 as_u64(PyObject *value, uint64_t *out)
 {
-    *out = PyLong_AsUnsignedLongLong(value);
+    *out = DYN_AS_U64(value);
     return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
 }
 

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_u64.h"
+
 #define MAX_SLOT (1 << 24)
 
 /* ---- nodes ---------------------------------------------------------------------------- */
@@ -380,7 +382,7 @@ as_key(PyObject *obj, uint64_t *key, int *neg)
         return 0;
     }
     if (overflow > 0) {
-        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        unsigned long long u = DYN_AS_U64(obj);
         if (u == (unsigned long long)-1 && PyErr_Occurred())
             return -1;
         *key = (uint64_t)u;

@@ -53,10 +53,23 @@ def etcd_keys(etcd: EtcdServer, prefix: str) -> list[str]:
     return [base64.b64decode(kv["key"]).decode() for kv in kvs]
 
 
+STORED = 'dynamo_component_kv_cache_events_applied_total{event_type="stored",status="ok"}'
+
+
+def stored_events_applied(port: int) -> float:
+    """The KV events storing blocks the frontend's router has applied (all workers)."""
+    _, _, raw = request(port, "GET", "/metrics")
+    lines = [line for line in raw.decode().splitlines() if line.startswith(STORED)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
 def cached_tokens_of_repeats(port: int, prompt: str, times: int) -> list[int]:
-    """The cached prompt tokens of ``times`` completions of ``prompt``, one after another (each
-    after the KV events of the one before reached the router, over NATS)."""
+    """The cached prompt tokens of ``times`` completions of ``prompt``, one after another, the
+    later ones once the first one's KV events (it cached nothing: it stores every block)
+    reached the router over NATS (another process: the answer can come first, and a fixed wait
+    is a guess on a loaded machine)."""
     cached: list[int] = []
+    applied = stored_events_applied(port)
     for _ in range(times):
         status, _, body = request(
             port, "POST", "/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 2}
@@ -64,7 +77,10 @@ def cached_tokens_of_repeats(port: int, prompt: str, times: int) -> list[int]:
         assert status == 200, body
         usage = json.loads(body)["usage"]
         cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while cached == [0] and stored_events_applied(port) <= applied:
+            assert time.monotonic() < deadline, "the first request's KV events never arrived"
+            time.sleep(0.05)
     return cached
 
 

@@ -21,6 +21,8 @@ from dynamo.backend.serve_engine import ServeOptions  # noqa: E402
 from dynamo.backend.worker import Worker  # noqa: E402
 from dynamo.pytorch.__main__ import build_worker  # noqa: E402
 from dynamo.pytorch.config import TorchEngineConfig  # noqa: E402
+from dynamo.router.hashing import local_block_hashes  # noqa: E402
+from dynamo.router.kv_router import KVRouter  # noqa: E402
 from tests.integration.conftest import RUNTIME, Stack  # noqa: E402
 from tests.tiny_models import TEST_DEVICE, build, hf_greedy  # noqa: E402
 
@@ -160,12 +162,20 @@ async def test_kv_routing_sends_a_repeated_prefix_to_its_holder(
         await add_worker(stack, tiny_dir)
     await stack.start_frontend(router_mode="kv")
     await stack.wait_for_model("tiny", instances=2)
+    assert stack.frontend is not None
+    router = stack.frontend.registry.get("tiny").router
+    assert isinstance(router, KVRouter) and router.indexer is not None
     rng = random.Random(5)
     for group in range(2):
         prefix = [rng.randrange(5, 390) for _ in range(6 * BS)]
         first = await complete(stack, prefix + [1, 2], 2)
         owner = first["nvext"]["worker_id"]["decode_worker_id"]
-        await asyncio.sleep(0.05)  # the first request's KV events reach the router
+        # the first request's KV events reach the router (from the step thread, through the
+        # event plane: its answer can come first), waited for, not assumed done in 50 ms
+        local = local_block_hashes(prefix, BS)
+        async with asyncio.timeout(30):
+            while router.indexer.find_matches(local).get((owner, 0), 0) < len(local):
+                await asyncio.sleep(0.01)
         for unique in range(3):
             body = await complete(stack, prefix + [3 + unique, 4], 2)
             assert body["nvext"]["worker_id"]["decode_worker_id"] == owner, group

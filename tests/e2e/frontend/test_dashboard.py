@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,11 +114,26 @@ def traffic(port: int, n: int) -> None:
         assert status == 200
 
 
+def wait_loads_published(port: int, timeout_s: float = 10.0) -> None:
+    """Until every worker that served a request shows the load it published."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, _, raw = request(port, "GET", "/dashboard/data")
+        workers = json.loads(raw)["workers"]
+        if all(w["kv_total_blocks"] for w in workers if w["requests_served"]):
+            return
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.05)
+
+
 def test_dashboard_in_headless_chromium_matches_metrics(stack: Stack) -> None:
     chrome = browser()
     if chrome is None:
         pytest.skip("no Chromium: run scripts/install_chromium.sh (make test does)")
     traffic(stack.port, 8)
+    # A worker publishes its load when it changes, at most every 20 ms and asynchronously: wait
+    # until every worker that served has sent one (a CI run read the page before one arrived).
+    wait_loads_published(stack.port)
     _, _, raw = request(stack.port, "GET", "/metrics")
     samples = parse_metrics(raw.decode())
     _, _, data_raw = request(stack.port, "GET", "/dashboard/data")
@@ -143,7 +159,6 @@ def test_dashboard_in_headless_chromium_matches_metrics(stack: Stack) -> None:
         if n == "dynamo_frontend_worker_active_decode_blocks"
     }
     assert {w: workers[w]["router_active_decode_blocks"] for w in workers} == blocks
-    # A worker publishes its load when it changes: every worker that served has sent one.
     assert all(w["kv_total_blocks"] for w in workers.values() if w["requests_served"])
     assert sum(w["requests_served"] for w in workers.values()) == 8
     assert any(w["prefix_hit_rate"] for w in workers.values())  # shared prefixes hit

@@ -110,19 +110,30 @@ class Probed(CountingEngine):
             yield out
 
 
+Observed = tuple[dict[str, bool], int]
+
+
 async def run_worker(
-    engine: Probed, hc: HealthCheckConfig, seconds: float
-) -> tuple[dict[str, bool], int]:
-    """Serve ``engine`` for ``seconds``; then its health and how many instances discovery has."""
+    engine: Probed, hc: HealthCheckConfig, seconds: float, until: Observed | None = None
+) -> Observed:
+    """Serve ``engine`` for ``seconds`` (or, given ``until``, until it is observed: 10 s at
+    most); then its health and how many instances discovery has."""
     config = WorkerConfig(runtime=RUNTIME, install_signal_handlers=False, health_check=hc)
     worker = Worker([engine], config, runtime=DistributedRuntime(RUNTIME, InProcessHub()))
     task = asyncio.create_task(worker.run())
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 10)
-        await asyncio.sleep(seconds)
+
+    async def observed() -> Observed:
         health = worker._health()  # noqa: SLF001 - what /health serves
         registered = await worker.runtime.discovery.get_prefix("v1/instances/")
         return health, len(registered)
+
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 10)
+        await asyncio.sleep(seconds)
+        async with asyncio.timeout(10):
+            while until is not None and await observed() != until:
+                await asyncio.sleep(0.02)
+        return await observed()
     finally:
         worker.request_shutdown()
         await asyncio.wait_for(task, 10)
@@ -130,7 +141,10 @@ async def run_worker(
 
 @pytest.mark.parametrize("mode", ["error", "raise"])
 async def test_a_failing_canary_marks_notready_and_withdraws(mode: str) -> None:
-    assert await run_worker(Probed(mode), FAST, 0.3) == ({"generate": False}, 0)
+    # waited for: the canary's failure and the withdrawal take a few loop turns after its
+    # 0.05 s wait, which a loaded machine can stretch past a fixed sleep
+    notready = ({"generate": False}, 0)
+    assert await run_worker(Probed(mode), FAST, 0.0, until=notready) == notready
 
 
 async def test_a_passing_canary_keeps_the_instance() -> None:

@@ -15,19 +15,22 @@ pytestmark = pytest.mark.unit
 async def test_fires_after_the_period_without_touches_never_before() -> None:
     loop = asyncio.get_running_loop()
     fired: list[float] = []
-    timer = IdleTimer(0.15, lambda: fired.append(loop.time()))
+    # touches 0.05 s apart keep it from firing even if a loaded machine stalls the test for
+    # 0.25 s between two of them (0.08 s apart with a 0.15 s period, a 70 ms stall fired it)
+    period = 0.3
+    timer = IdleTimer(period, lambda: fired.append(loop.time()))
     timer.touch()
-    for _ in range(3):  # touches keep it from firing
-        await asyncio.sleep(0.08)
+    for _ in range(8):  # touches keep it from firing, over more than the period
+        await asyncio.sleep(0.05)
         timer.touch()
     last = loop.time()
-    await asyncio.sleep(0.15 + 4 * RESOLUTION_S)
+    await asyncio.sleep(period + 4 * RESOLUTION_S)
     assert len(fired) == 1
-    assert fired[0] >= last + 0.15
+    assert fired[0] >= last + period
     await asyncio.sleep(0.2)
     assert len(fired) == 1  # once, until touched again
     timer.touch()
-    await asyncio.sleep(0.15 + 4 * RESOLUTION_S)
+    await asyncio.sleep(period + 4 * RESOLUTION_S)
     assert len(fired) == 2
 
 

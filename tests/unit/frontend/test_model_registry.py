@@ -137,7 +137,17 @@ async def test_a_prefill_card_never_defines_the_decode_pipeline(
     try:
         prefill = msgspec.structs.replace(card(1), role=WorkerRole.PREFILL, component="prefill")
         await put(EP.model_card_key(1), msgspec.json.encode(prefill), runtime.lease)
-        await asyncio.sleep(0.05)
+
+        def refused_for_want_of_a_decode_worker() -> bool:
+            try:
+                registry.get("m")
+            except NoInstances as exc:
+                return "no decode worker" in str(exc)
+            except ModelNotFound:  # the card not seen yet (the watch is another task)
+                return False
+            return False
+
+        await wait_until(refused_for_want_of_a_decode_worker)
         with pytest.raises(NoInstances, match="no decode worker"):
             registry.get("m")
         assert registry.models() == [] and built == []
