@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+EXIT_DRAIN_S = 5.0
+"""How long, once a child has exited, its reader may take to collect the lines still in the
+pipe (a grandchild that inherited the pipe may keep it open: not waited for past this)."""
 
 
 def free_port() -> int:
@@ -67,6 +70,13 @@ class Child:
         with self._cond:
             return next((i for i, line in enumerate(self.lines) if fragment in line), -1)
 
+    def output(self) -> list[str]:
+        """Every line of an exited child: its reader may still be collecting the last ones from
+        the pipe when ``popen.wait()`` returns (a loaded machine runs it late)."""
+        self._reader.join(EXIT_DRAIN_S)
+        with self._cond:
+            return list(self.lines)
+
     def _wait(self, match: Callable[[str], bool], what: str, timeout: float) -> str:
         with self._cond:
             self._cond.wait_for(
@@ -75,6 +85,9 @@ class Child:
                 ),
                 timeout,
             )
+        if self.popen.poll() is not None:
+            self._reader.join(EXIT_DRAIN_S)  # exited: its last lines may be in the pipe still
+        with self._cond:
             for line in self.lines:
                 if match(line):
                     return line

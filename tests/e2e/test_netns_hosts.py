@@ -36,7 +36,8 @@ def lab() -> Iterator[NetnsLab]:
 
 
 def _results(child: Child) -> list[dict[str, object]]:
-    return [json.loads(line) for line in child.lines if line.startswith("{")]
+    """An exited client's result lines (all of them: its reader may lag behind the exit)."""
+    return [json.loads(line) for line in child.output() if line.startswith("{")]
 
 
 def test_kv_routing_across_hosts_survives_removing_a_worker_host(

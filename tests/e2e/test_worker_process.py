@@ -130,8 +130,9 @@ async def test_sigterm_shutdown_order(spawn: Any, client_runtime: DistributedRun
     assert len([t for o in outs for t in o.token_ids]) == 100
     await asyncio.to_thread(procs[0].popen.wait, 10)
     p = procs[0]
+    lines = p.output()  # every line: the reader may collect the last ones after the exit
     left, drain, cleanup = p.index_of("left discovery"), p.index_of("DRAIN"), p.index_of("CLEANUP")
-    assert -1 < left < drain < cleanup, p.lines
+    assert -1 < left < drain < cleanup, lines
     # It left discovery: the client no longer sees it.
     async with asyncio.timeout(5):
         while client.instance_ids():

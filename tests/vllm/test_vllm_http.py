@@ -224,6 +224,16 @@ def test_client_disconnect_aborts_vllm_request(vllm_stack: VllmStack) -> None:
     assert again["usage"]["completion_tokens"] == 2
 
 
+STORED = 'dynamo_component_kv_cache_events_applied_total{event_type="stored",status="ok"}'
+
+
+def stored_events_applied(port: int) -> float:
+    """The KV events storing blocks the frontend's router has applied (all workers)."""
+    _, _, raw = request(port, "GET", "/metrics", timeout=10)
+    lines = raw.decode().splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(STORED))
+
+
 def test_repeated_prefix_goes_to_the_worker_holding_it(vllm_stack: VllmStack) -> None:
     groups = 4
     prefixes = [
@@ -241,11 +251,19 @@ def test_repeated_prefix_goes_to_the_worker_holding_it(vllm_stack: VllmStack) ->
 
     # All first requests at once: the router counts the ones in flight, so they spread over
     # both workers (sequential ones would tie on an idle stack and be placed at random).
+    applied = stored_events_applied(vllm_stack.port)
     with ThreadPoolExecutor(groups) as pool:
         firsts = list(pool.map(ask, [p + [7] for p in prefixes]))
     owners = {g: worker_of(body) for g, body in enumerate(firsts)}
     assert len(set(owners.values())) == 2, owners
-    time.sleep(2.0)  # their KV events cross vLLM's socket and our event plane
+    # Their KV events cross vLLM's socket and our event plane, and the answers can come first:
+    # wait until the router applied at least one stored event a request (vLLM sends one per
+    # request and step). On time out the assertions below show what the router lacked.
+    deadline = time.monotonic() + 30
+    while stored_events_applied(vllm_stack.port) < applied + groups:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     for g, prefix in enumerate(prefixes):
         for unique in range(2):
             body = ask(prefix + [9, 10 + unique])

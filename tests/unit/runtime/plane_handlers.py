@@ -17,8 +17,9 @@ async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
         return [body async for body in it]
 
 
-async def wait_for(predicate: object, timeout: float = 2.0) -> None:
-    """Poll ``predicate()`` until it is true (``timeout`` seconds at most)."""
+async def wait_for(predicate: object, timeout: float = 10.0) -> None:
+    """Poll ``predicate()`` until it is true (``timeout`` seconds at most: generous, as it only
+    bounds a failure; a loaded machine can take seconds over a few loop turns)."""
     async with asyncio.timeout(timeout):
         while not predicate():  # type: ignore[operator]
             await asyncio.sleep(0.005)

@@ -13,7 +13,12 @@ from tests.fakes import CountingEngine
 async def test_lost_lease_shuts_the_worker_down() -> None:
     config = WorkerConfig(
         runtime=RuntimeConfig(
-            discovery_backend="memory", request_plane="local", event_plane="local", lease_ttl=0.3
+            # 1 s: a loaded machine's stall before the suspension must not expire it first
+            # (the worker would stop before it is ready); 0.3 s was close to such stalls
+            discovery_backend="memory",
+            request_plane="local",
+            event_plane="local",
+            lease_ttl=1.0,
         ),
         install_signal_handlers=False,
     )

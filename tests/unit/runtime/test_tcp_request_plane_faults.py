@@ -51,8 +51,8 @@ async def client() -> AsyncIterator[TCPRequestPlaneClient]:
 
 
 async def read_frames(reader: asyncio.StreamReader) -> list[codec.Frame]:
-    """Everything the server sends until it closes the connection."""
-    async with asyncio.timeout(2):
+    """Everything the server sends until it closes the connection (10 s at most)."""
+    async with asyncio.timeout(10):
         data = await reader.read()
     return codec.FrameDecoder(1 << 20).feed(data)
 
