@@ -5,6 +5,7 @@ maps template failures to InvalidArgument."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
@@ -355,3 +356,26 @@ def test_strftime_now_and_special_token_override() -> None:
     year, bos = rendered.split("|")
     assert year.isdigit() and len(year) == 4 and bos == "<s>"
     assert template.render([{"role": "user", "content": "x"}], bos_token="B").endswith("|B")
+
+
+def test_a_render_with_macros_leaves_no_cyclic_garbage(demo_model: ModelDir) -> None:
+    # The demo template defines a macro, a closure over the render's context; a render must
+    # leave nothing for the garbage collector (at c=64 that garbage ran the frontend's young
+    # collections on its event loop). DEBUG_SAVEALL keeps what a collection finds unreachable.
+    template = demo_model.chat_template
+    assert template is not None
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = template.render(messages, add_generation_prompt=True)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(3):
+            assert template.render(messages, add_generation_prompt=True) == expected
+        gc.collect()
+        left = [
+            o for o in gc.garbage if isinstance(o, jinja2.runtime.Context | jinja2.runtime.Macro)
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
