@@ -341,10 +341,9 @@ async def _attempt(
         dispatched.append(True)
         load.dispatched(entry.streams, selection.instance_id, new_request)
         dispatch = _DispatchStage(metrics, role.value)
+        outputs = transport(entry.clients[role], body, ctx, selection.instance_id, timeouts)
         try:
-            async for outs in transport(
-                entry.clients[role], body, ctx, selection.instance_id, timeouts
-            ):
+            async for outs in outputs:
                 dispatch.done()
                 if not load.prefilled and any(o.token_ids for o in outs):
                     load.first_token()
@@ -354,6 +353,12 @@ async def _attempt(
                 yield outs
         finally:
             dispatch.done()
+            # Closed here: our consumer stops at the terminal chunk, so the transport is still
+            # suspended at its last yield. Left to the garbage collector, the loop's finalizer
+            # hook would close it in a task of its own, scheduled with ``call_soon_threadsafe``
+            # (an eventfd write, an extra loop wake-up and a task, on every request), and its
+            # stream and watchdog would outlive the attempt by a loop iteration.
+            await outputs.aclose()
     finally:
         load.free()
 
