@@ -56,23 +56,15 @@ class TimingModel:
     def pass_seconds(
         self, prefill_tokens: int, decode_context_tokens: int, num_decodes: int
     ) -> float:
-        """Seconds one pass takes on the clock (decode part also / decode_speedup_ratio).
-
-        Once per simulated pass (the replay's hot path): :func:`prefill_ms` and
-        :func:`decode_ms` inlined, the same operations in the same order (the same bits)."""
+        """Seconds one pass takes on the clock (decode part also / decode_speedup_ratio)."""
         speedup = self.speedup_ratio
         if speedup == 0:
             return 0.0
-        if prefill_tokens > 0:
-            t = float(prefill_tokens)
-            total = _P2 * t * t + _P1 * t + _P0
-        else:
-            total = 0.0
+        total = prefill_ms(prefill_tokens)
         if num_decodes > 0:
-            kv = self.total_kv_tokens
-            u = decode_context_tokens / kv if kv > 0 else 1.0
-            d = _D2 * u * u + _D1 * u + _D0
-            total += (d if d > 1.0 else 1.0) / self.decode_speedup_ratio
+            total += (
+                decode_ms(decode_context_tokens, self.total_kv_tokens) / self.decode_speedup_ratio
+            )
         return total / speedup / 1000.0
 
     def transfer_seconds(self, num_prompt_tokens: int) -> float:

@@ -380,7 +380,7 @@ class Simulation:
     def _pass_start(self, rank: Rank) -> None:
         sched = rank.sched
         out = sched.step(self.now)
-        if out.num_prefill_tokens == 0 and out.num_decodes == 0:  # out.is_empty, inlined
+        if out.is_empty:
             rank.state = IDLE
             ready = sched.next_ready_at()
             if ready is not None:  # every runnable request waits for its KV transfer
@@ -390,7 +390,7 @@ class Simulation:
         rank.passes += 1
         rank.out = out
         rank.state = BUSY
-        self._events_queue.push(self.now + out.duration, _PASS_END, next(self._counter), rank)
+        self._push(self.now + out.duration, _PASS_END, rank)
 
     def _pass_end(self, rank: Rank) -> None:
         out = rank.out

@@ -85,33 +85,23 @@ class KVIndexer:
         and counters); returns the ranks that entered recovery (gaps), one entry per gap.
 
         One call per batch: the offline replay applies every pass's events here. The common
-        case (the rank is not recovering and the id is the next one) stores or removes inline;
-        anything else takes :meth:`_apply_tracked`."""
+        case (the rank is not recovering and the id is the next one) goes straight to
+        :meth:`_apply_data`; anything else takes :meth:`_apply_tracked`."""
         gaps: list[WorkerKey] = []
-        ranks, counters, tree = self._ranks, self.counters, self._tree
-        ok, gap = EventStatus.OK, EventStatus.GAP
+        ranks, counters = self._ranks, self.counters
         for event in events:
             key = (worker_id, event.dp_rank)
             st = ranks.get(key)
             if st is None:
                 st = self._rank(key)
             last, eid = st.last_id, event.event_id
-            data = event.data
             if st.recovering or last is None or eid != last + 1:
                 status = self._apply_tracked(st, event)
-                if status is gap:
+                if status is EventStatus.GAP:
                     gaps.append(key)
-            elif type(data) is BlocksStored:
-                st.last_id = eid
-                stored = tree.store(st.slot, data.parent_hash, data.blocks)
-                status = ok if stored else EventStatus.PARENT_BLOCK_NOT_FOUND
-            elif type(data) is BlocksRemoved:
-                st.last_id = eid
-                missing = tree.remove(st.slot, data.block_hashes)
-                status = EventStatus.BLOCK_NOT_FOUND if missing else ok
             else:
                 st.last_id = eid
-                status = self._apply_data(st, data)
+                status = self._apply_data(st, event.data)
             counters[status] += 1
         return gaps
 

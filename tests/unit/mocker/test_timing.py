@@ -57,7 +57,7 @@ def test_timing_model_speedups_and_transfer() -> None:
 
 # -- whole passes on simulated time ----------------------------------------------------------
 def test_pass_seconds_is_the_formulas_bit_for_bit() -> None:
-    """pass_seconds inlines prefill_ms / decode_ms: the same floats, not merely close ones
+    """pass_seconds is prefill_ms / decode_ms: the same floats, not merely close ones
     (the replay's records are compared byte for byte)."""
     for total, speedup, decode_speedup in ((TOTAL, 1.0, 1.0), (8192, 3.0, 0.7), (0, 2.0, 1.0)):
         model = TimingModel(total, speedup_ratio=speedup, decode_speedup_ratio=decode_speedup)
