@@ -43,6 +43,7 @@ from dynamo.engine_core.sequence import Sequence, new_sequence
 from dynamo.frontend.disagg import prefill_remotely
 from dynamo.frontend.errors import to_http
 from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
@@ -403,20 +404,11 @@ class Simulation:
             core.apply_events(rank.worker_id, out.events)
         by_id = self._by_id
         prefill_pool = pool.role == "prefill"
-        if not prefill_pool:
-            for seq, _token in out.tokens:
-                flight = by_id.get(seq.request_id)
-                if flight is None:
-                    continue  # abandoned while the pass ran
-                record = flight.record
-                if record.ttft is None:
-                    record.ttft = now - record.start
-                    if core is not None:
-                        core.prefill_completed(flight.request_id)
-                else:
-                    record.itl.append(now - flight.last_token_at)
-                flight.last_token_at = now
-                record.output_tokens += 1
+        if not prefill_pool:  # the tokens' TTFT / ITL accounting, in one call
+            firsts = deliver(out.tokens, by_id, now)
+            if firsts is not None and core is not None:
+                for flight in firsts:
+                    core.prefill_completed(flight.request_id)
         for seq in out.finished:
             flight = by_id.get(seq.request_id)
             if flight is None:
