@@ -15,7 +15,8 @@ they cannot be built:
   the fallback sorts the Python list);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
-  ``slot_tracker._loads`` (``/potential_loads``) and ``pytorch._paged_attn`` (decode attention).
+  ``slot_tracker._loads`` (``/potential_loads``), ``pytorch._paged_attn`` (decode attention) and
+  ``replay._loop`` (the replay's event loop).
 
 ``DYN_NATIVE=0`` forces every fallback (one CI pass, ``make test-fallback``, runs the suites that
 way); otherwise a native module is used whenever it imports."""

@@ -1,0 +1,430 @@
+/*
+ * dynamo.replay._loop: the replay's event loop in C, the fast path of ``Simulation._phase``.
+ *
+ * ``run(sim, queue, timeouts, counter, wake, deliver)`` runs one phase to its end and returns
+ * the events it processed. It is ``Simulation._phase``'s loop with ``_pass_start`` and
+ * ``_pass_end`` (simulator.py, the reference: ``DYN_NATIVE=0`` and a missing build run that
+ * Python) step for step: the same calls on the collaborators in the same order, so the same
+ * records, routing and counters. What is not a pass stays in Python and is called back: a send
+ * (``wake(runner)``), a request deadline (``sim._time_out``), the finished requests of a pass
+ * (``sim._retire``), the router queue's release (``sim._release_held``); the engine pass itself
+ * is ``rank.sched.step(now)``, the KV events go to ``core.apply_events``, the tokens to
+ * ``deliver`` (``dynamo.replay.deliver``).
+ *
+ * Why native: at 100 workers a request costs ~22 passes of one token each, and the Python glue
+ * of a pass (the loop's dispatch, ``_pass_start``, ``_pass_end``) was a large share of the run
+ * (docs/performance.md, "Offline replay"); here it is a few attribute loads and calls.
+ *
+ * ``sim.now`` is set before anything runs at a new instant, as the Python loop does; the
+ * simulation's ``_events`` counter is the returned count (the caller stores it).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* The event kinds and rank states (simulator.py's ``_SEND`` ..., pools.py's ``IDLE`` ...);
+ * the module exports them and a test holds them equal to the Python names. */
+enum { K_SEND = 0, K_PASS_END = 1, K_PASS_START = 2 };
+enum { R_IDLE = 0, R_SCHEDULED = 1, R_BUSY = 2 };
+
+static PyObject *s_now, *s_sched, *s_step, *s_is_empty, *s_state, *s_next_ready_at, *s_passes,
+    *s_out, *s_duration, *s_push, *s_pool, *s_core, *s_events, *s_apply_events, *s_worker_id,
+    *s_role, *s_tokens, *s_prefill_completed, *s_request_id, *s_finished, *s_retire, *s_queue,
+    *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft, *s_done, *s_time_out,
+    *str_prefill, *state_obj[3], *kind_obj[3], *one;
+
+typedef struct {
+    PyObject *sim, *queue, *timeouts, *counter, *wake, *deliver, *by_id;
+    PyObject *now; /* the current instant (strong) */
+    long long events;
+} Loop;
+
+/* obj.name(args...) with a vectorcall; a new reference or NULL. */
+static PyObject *
+call_method(PyObject *obj, PyObject *name, PyObject *const *args, size_t n)
+{
+    PyObject *argv[6];
+    argv[0] = obj;
+    for (size_t i = 0; i < n; i++)
+        argv[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, argv, (n + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Calls whose result is not needed: 0, or -1 with an exception. */
+static int
+done(PyObject *result)
+{
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int
+set_now(Loop *L, PyObject *when)
+{
+    Py_SETREF(L->now, Py_NewRef(when));
+    return PyObject_SetAttr(L->sim, s_now, when);
+}
+
+/* The truth of ``obj.name``: 1, 0 or -1. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* queue.push(when, kind, order, rank) (``order`` stolen). */
+static int
+push(Loop *L, PyObject *when, int kind, PyObject *order, PyObject *rank)
+{
+    if (order == NULL)
+        return -1;
+    PyObject *args[4] = {when, kind_obj[kind], order, rank};
+    int rc = done(call_method(L->queue, s_push, args, 4));
+    Py_DECREF(order);
+    return rc;
+}
+
+/* ``_pass_start``: the rank's next pass, or it goes idle. */
+static int
+pass_start(Loop *L, PyObject *rank)
+{
+    int rc = -1;
+    PyObject *sched = PyObject_GetAttr(rank, s_sched), *out = NULL, *ready = NULL;
+    PyObject *passes = NULL, *when = NULL, *duration = NULL;
+    if (sched == NULL || (out = call_method(sched, s_step, &L->now, 1)) == NULL)
+        goto end;
+    int empty = attr_true(out, s_is_empty);
+    if (empty < 0)
+        goto end;
+    if (empty) {
+        if (PyObject_SetAttr(rank, s_state, state_obj[R_IDLE]) < 0 ||
+            (ready = call_method(sched, s_next_ready_at, NULL, 0)) == NULL)
+            goto end;
+        if (ready != Py_None) { /* every runnable request waits for its KV transfer */
+            int later = PyObject_RichCompareBool(L->now, ready, Py_GT); /* max(ready, now) */
+            if (later < 0 || PyObject_SetAttr(rank, s_state, state_obj[R_SCHEDULED]) < 0 ||
+                push(L, later ? L->now : ready, K_PASS_START, PyIter_Next(L->counter), rank) <
+                    0)
+                goto end;
+        }
+        rc = 0;
+        goto end;
+    }
+    if ((passes = PyObject_GetAttr(rank, s_passes)) == NULL)
+        goto end;
+    Py_SETREF(passes, PyNumber_Add(passes, one));
+    if (passes == NULL || PyObject_SetAttr(rank, s_passes, passes) < 0 ||
+        PyObject_SetAttr(rank, s_out, out) < 0 ||
+        PyObject_SetAttr(rank, s_state, state_obj[R_BUSY]) < 0 ||
+        (duration = PyObject_GetAttr(out, s_duration)) == NULL ||
+        (when = PyNumber_Add(L->now, duration)) == NULL)
+        goto end;
+    rc = push(L, when, K_PASS_END, PyIter_Next(L->counter), rank);
+end:
+    Py_XDECREF(sched);
+    Py_XDECREF(out);
+    Py_XDECREF(ready);
+    Py_XDECREF(passes);
+    Py_XDECREF(when);
+    Py_XDECREF(duration);
+    return rc;
+}
+
+/* The tokens of the pass: ``deliver``, then the router's prefill-completed of each first. */
+static int
+tokens_of(Loop *L, PyObject *out, PyObject *core)
+{
+    PyObject *tokens = PyObject_GetAttr(out, s_tokens);
+    if (tokens == NULL)
+        return -1;
+    PyObject *args[3] = {tokens, L->by_id, L->now};
+    PyObject *firsts = PyObject_Vectorcall(L->deliver, args, 3, NULL);
+    Py_DECREF(tokens);
+    if (firsts == NULL)
+        return -1;
+    int rc = 0;
+    if (firsts != Py_None && core != Py_None) {
+        PyObject *it = PyObject_GetIter(firsts), *flight;
+        if (it == NULL)
+            rc = -1;
+        while (rc == 0 && it != NULL && (flight = PyIter_Next(it)) != NULL) {
+            PyObject *rid = PyObject_GetAttr(flight, s_request_id);
+            Py_DECREF(flight);
+            rc = rid == NULL ? -1 : done(call_method(core, s_prefill_completed, &rid, 1));
+            Py_XDECREF(rid);
+        }
+        if (rc == 0 && PyErr_Occurred())
+            rc = -1;
+        Py_XDECREF(it);
+    }
+    Py_DECREF(firsts);
+    return rc;
+}
+
+/* ``_pass_end``: the pass's outcome, then the rank's next pass (inline when nothing else is
+ * due at this instant). */
+static int
+pass_end(Loop *L, PyObject *rank)
+{
+    int rc = -1;
+    PyObject *out = PyObject_GetAttr(rank, s_out), *pool = NULL, *core = NULL, *events = NULL;
+    PyObject *role = NULL, *finished = NULL, *held_queue = NULL, *sched = NULL, *order = NULL;
+    if (out == NULL || PyObject_SetAttr(rank, s_out, Py_None) < 0 ||
+        (pool = PyObject_GetAttr(rank, s_pool)) == NULL ||
+        (core = PyObject_GetAttr(pool, s_core)) == NULL)
+        goto end;
+    if (core != Py_None) {
+        if ((events = PyObject_GetAttr(out, s_events)) == NULL)
+            goto end;
+        int any = PyObject_IsTrue(events);
+        if (any < 0)
+            goto end;
+        if (any) {
+            PyObject *wid = PyObject_GetAttr(rank, s_worker_id);
+            if (wid == NULL)
+                goto end;
+            PyObject *args[2] = {wid, events};
+            int r = done(call_method(core, s_apply_events, args, 2));
+            Py_DECREF(wid);
+            if (r < 0)
+                goto end;
+        }
+    }
+    if ((role = PyObject_GetAttr(pool, s_role)) == NULL)
+        goto end;
+    int prefill_pool = PyObject_RichCompareBool(role, str_prefill, Py_EQ);
+    if (prefill_pool < 0 || (!prefill_pool && tokens_of(L, out, core) < 0) ||
+        (finished = PyObject_GetAttr(out, s_finished)) == NULL)
+        goto end;
+    int any_finished = PyObject_IsTrue(finished);
+    if (any_finished < 0)
+        goto end;
+    if (any_finished) {
+        PyObject *args[2] = {rank, finished};
+        if (done(call_method(L->sim, s_retire, args, 2)) < 0)
+            goto end;
+    }
+    if ((held_queue = PyObject_GetAttr(pool, s_queue)) == NULL)
+        goto end;
+    int held = 0;
+    if (held_queue != Py_None && !prefill_pool) {
+        Py_ssize_t n = PyObject_Length(held_queue);
+        if (n < 0)
+            goto end;
+        held = n > 0;
+    }
+    if ((sched = PyObject_GetAttr(rank, s_sched)) == NULL)
+        goto end;
+    int work = attr_true(sched, s_has_work);
+    if (work < 0)
+        goto end;
+    if (!work) {
+        if (PyObject_SetAttr(rank, s_state, state_obj[R_IDLE]) < 0 ||
+            (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
+            goto end;
+        rc = 0;
+        goto end;
+    }
+    /* The next pass starts now, after every arrival and pass end of this instant and after the
+     * pass starts already due (its place in the FIFO is taken here, as a push would). */
+    if (PyObject_SetAttr(rank, s_state, state_obj[R_SCHEDULED]) < 0 ||
+        (order = PyIter_Next(L->counter)) == NULL ||
+        (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
+        goto end;
+    PyObject *next = call_method(L->queue, s_next_when, NULL, 0);
+    if (next == NULL)
+        goto end;
+    int due = PyObject_RichCompareBool(next, L->now, Py_LE);
+    Py_DECREF(next);
+    if (due < 0)
+        goto end;
+    if (due) { /* more is due at this instant: the pass waits its turn */
+        rc = push(L, L->now, K_PASS_START, order, rank);
+        order = NULL;
+    }
+    else { /* nothing else is due now: the pop would be the very next event */
+        L->events++;
+        rc = pass_start(L, rank);
+    }
+end:
+    Py_XDECREF(out);
+    Py_XDECREF(pool);
+    Py_XDECREF(core);
+    Py_XDECREF(events);
+    Py_XDECREF(role);
+    Py_XDECREF(finished);
+    Py_XDECREF(held_queue);
+    Py_XDECREF(sched);
+    Py_XDECREF(order);
+    return rc;
+}
+
+/* A request deadline due before the next event: 1 if one was handled, 0 if none, -1. */
+static int
+deadline(Loop *L)
+{
+    Py_ssize_t n = PyObject_Length(L->timeouts);
+    if (n <= 0)
+        return n < 0 ? -1 : 0;
+    PyObject *head = PySequence_GetItem(L->timeouts, 0);
+    if (head == NULL)
+        return -1;
+    PyObject *when = PySequence_GetItem(head, 0);
+    Py_DECREF(head);
+    if (when == NULL)
+        return -1;
+    PyObject *next = call_method(L->queue, s_next_when, NULL, 0);
+    int before = next == NULL ? -1 : PyObject_RichCompareBool(when, next, Py_LT);
+    Py_DECREF(when);
+    Py_XDECREF(next);
+    if (before <= 0)
+        return before;
+    PyObject *item = call_method(L->timeouts, s_popleft, NULL, 0);
+    if (item == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *flight = NULL;
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a deadline is a (when, flight) pair");
+        goto end;
+    }
+    flight = PyTuple_GET_ITEM(item, 1);
+    int finished = attr_true(flight, s_done);
+    if (finished < 0)
+        goto end;
+    if (!finished && (set_now(L, PyTuple_GET_ITEM(item, 0)) < 0 ||
+                      done(call_method(L->sim, s_time_out, &flight, 1)) < 0))
+        goto end;
+    rc = 1;
+end:
+    Py_DECREF(item);
+    return rc;
+}
+
+static int
+dispatch(Loop *L)
+{
+    PyObject *event = call_method(L->queue, s_pop, NULL, 0);
+    if (event == NULL)
+        return -1;
+    int rc = -1;
+    if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) != 3) {
+        PyErr_SetString(PyExc_TypeError, "an event is a (when, kind, payload) triple");
+        goto end;
+    }
+    if (set_now(L, PyTuple_GET_ITEM(event, 0)) < 0)
+        goto end;
+    L->events++;
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(event, 1));
+    if (kind == -1 && PyErr_Occurred())
+        goto end;
+    PyObject *payload = PyTuple_GET_ITEM(event, 2);
+    if (kind == K_PASS_END)
+        rc = pass_end(L, payload);
+    else if (kind == K_PASS_START)
+        rc = pass_start(L, payload);
+    else
+        rc = done(PyObject_CallOneArg(L->wake, payload));
+end:
+    Py_DECREF(event);
+    return rc;
+}
+
+static PyObject *
+run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "run(sim, queue, timeouts, counter, wake, deliver)");
+        return NULL;
+    }
+    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0};
+    if ((L.by_id = PyObject_GetAttrString(L.sim, "_by_id")) == NULL)
+        return NULL;
+    if ((L.now = PyObject_GetAttr(L.sim, s_now)) == NULL) {
+        Py_DECREF(L.by_id);
+        return NULL;
+    }
+    int rc = 0;
+    for (;;) {
+        Py_ssize_t queued = PyObject_Length(L.queue), waiting = PyObject_Length(L.timeouts);
+        if (queued < 0 || waiting < 0) {
+            rc = -1;
+            break;
+        }
+        if (queued == 0 && waiting == 0)
+            break;
+        int r = deadline(&L);
+        if (r == 0)
+            r = dispatch(&L);
+        if (r < 0) {
+            rc = -1;
+            break;
+        }
+    }
+    Py_DECREF(L.by_id);
+    Py_DECREF(L.now);
+    return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
+}
+
+static PyMethodDef methods[] = {
+    {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
+     "run(sim, queue, timeouts, counter, wake, deliver): one phase of the replay's event loop "
+     "to its end; the events processed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "dynamo.replay._loop",
+    "The replay's event loop (the fast path of Simulation._phase).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+static int
+intern(PyObject **slot, const char *text)
+{
+    return (*slot = PyUnicode_InternFromString(text)) == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC
+PyInit__loop(void)
+{
+    if (intern(&s_now, "now") || intern(&s_sched, "sched") || intern(&s_step, "step") ||
+        intern(&s_is_empty, "is_empty") || intern(&s_state, "state") ||
+        intern(&s_next_ready_at, "next_ready_at") || intern(&s_passes, "passes") ||
+        intern(&s_out, "out") || intern(&s_duration, "duration") || intern(&s_push, "push") ||
+        intern(&s_pool, "pool") || intern(&s_core, "core") || intern(&s_events, "events") ||
+        intern(&s_apply_events, "apply_events") || intern(&s_worker_id, "worker_id") ||
+        intern(&s_role, "role") || intern(&s_tokens, "tokens") ||
+        intern(&s_prefill_completed, "prefill_completed") ||
+        intern(&s_request_id, "request_id") || intern(&s_finished, "finished") ||
+        intern(&s_retire, "_retire") || intern(&s_queue, "queue") ||
+        intern(&s_has_work, "has_work") || intern(&s_release_held, "_release_held") ||
+        intern(&s_next_when, "next_when") || intern(&s_pop, "pop") ||
+        intern(&s_popleft, "popleft") || intern(&s_done, "done") ||
+        intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill"))
+        return NULL;
+    for (int k = 0; k < 3; k++)
+        if ((state_obj[k] = PyLong_FromLong(k)) == NULL || (kind_obj[k] = PyLong_FromLong(k)) == NULL)
+            return NULL;
+    if ((one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "SEND", K_SEND) < 0 ||
+        PyModule_AddIntConstant(m, "PASS_END", K_PASS_END) < 0 ||
+        PyModule_AddIntConstant(m, "PASS_START", K_PASS_START) < 0 ||
+        PyModule_AddIntConstant(m, "IDLE", R_IDLE) < 0 ||
+        PyModule_AddIntConstant(m, "SCHEDULED", R_SCHEDULED) < 0 ||
+        PyModule_AddIntConstant(m, "BUSY", R_BUSY) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
