@@ -8,8 +8,11 @@
  * records, routing and counters. What is not a pass stays in Python and is called back: a send
  * (``wake(runner)``), a request deadline (``sim._time_out``), the finished requests of a pass
  * (``sim._retire``), the router queue's release (``sim._release_held``); the engine pass itself
- * is ``rank.sched.step(now)``, the KV events go to ``core.apply_events``, the tokens to
- * ``deliver`` (``dynamo.replay.deliver``).
+ * is ``MockerScheduler.step`` without its ``StepOutput``: ``sched.mock_pass`` (the kernel's
+ * tuple, kept in ``rank.raw`` until the pass end) timed here as ``TimingModel.pass_seconds``
+ * times it (the same float operations; tests/unit/replay/test_loop_native.py compares them
+ * bit for bit); the KV events go to ``core.apply_events``, the tokens to ``deliver``
+ * (``dynamo.replay.deliver``).
  *
  * Why native: at 100 workers a request costs ~22 passes of one token each, and the Python glue
  * of a pass (the loop's dispatch, ``_pass_start``, ``_pass_end``) was a large share of the run
@@ -26,11 +29,17 @@
 enum { K_SEND = 0, K_PASS_END = 1, K_PASS_START = 2 };
 enum { R_IDLE = 0, R_SCHEDULED = 1, R_BUSY = 2 };
 
-static PyObject *s_now, *s_sched, *s_step, *s_is_empty, *s_state, *s_next_ready_at, *s_passes,
-    *s_out, *s_duration, *s_push, *s_pool, *s_core, *s_events, *s_apply_events, *s_worker_id,
-    *s_role, *s_tokens, *s_prefill_completed, *s_request_id, *s_finished, *s_retire, *s_queue,
+static PyObject *s_now, *s_sched, *s_state, *s_next_ready_at, *s_passes,
+    *s_raw, *s_push, *s_pool, *s_core, *s_apply_events, *s_worker_id,
+    *s_role, *s_prefill_completed, *s_request_id, *s_retire, *s_queue,
     *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft, *s_done, *s_time_out,
-    *str_prefill, *state_obj[3], *kind_obj[3], *one;
+    *s_mock_pass, *s_vocab_size, *s_excluded, *s_timing, *s_total_kv_tokens, *s_speedup_ratio,
+    *s_decode_speedup_ratio, *str_prefill, *state_obj[3], *kind_obj[3], *one;
+
+/* The mocker's timing model (dynamo/mocker/timing.py: ``prefill_ms``, ``decode_ms``,
+ * ``TimingModel.pass_seconds``, the definition): its coefficients are read from that module. */
+static double P2, P1, P0, D2, D1, D0;
+static int timing_ready;
 
 typedef struct {
     PyObject *sim, *queue, *timeouts, *counter, *wake, *deliver, *by_id;
@@ -90,19 +99,103 @@ push(Loop *L, PyObject *when, int kind, PyObject *order, PyObject *rank)
     return rc;
 }
 
-/* ``_pass_start``: the rank's next pass, or it goes idle. */
+static int
+attr_double(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+ensure_timing(void)
+{
+    if (timing_ready)
+        return 0;
+    PyObject *m = PyImport_ImportModule("dynamo.mocker.timing");
+    if (m == NULL)
+        return -1;
+    PyObject *names[6];
+    const char *const texts[6] = {"_P2", "_P1", "_P0", "_D2", "_D1", "_D0"};
+    double *const slots[6] = {&P2, &P1, &P0, &D2, &D1, &D0};
+    int rc = 0;
+    for (int k = 0; k < 6 && rc == 0; k++) {
+        names[k] = PyUnicode_FromString(texts[k]);
+        rc = names[k] == NULL ? -1 : attr_double(m, names[k], slots[k]);
+        Py_XDECREF(names[k]);
+    }
+    Py_DECREF(m);
+    if (rc == 0)
+        timing_ready = 1;
+    return rc;
+}
+
+/* ``timing.pass_seconds(prefill, context, decodes)`` of a ``TimingModel``: the same float
+ * operations in the same order (the counts are exact as doubles below 2**53, as Python's
+ * int / int and float() of them are). NULL with an exception on a bad argument. */
+static PyObject *
+timed(PyObject *timing, PyObject *prefill, PyObject *context, PyObject *decodes)
+{
+    double speedup, decode_speedup, total_kv;
+    if (ensure_timing() < 0 || attr_double(timing, s_speedup_ratio, &speedup) < 0)
+        return NULL;
+    if (speedup == 0)
+        return PyFloat_FromDouble(0.0);
+    long long n = PyLong_AsLongLong(prefill);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    long long k = PyLong_AsLongLong(decodes);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    double total = 0.0; /* prefill_ms */
+    if (n > 0) {
+        double t = (double)n;
+        total = P2 * t * t + P1 * t + P0;
+    }
+    if (k > 0) { /* decode_ms / decode_speedup_ratio */
+        long long active = PyLong_AsLongLong(context);
+        if ((active == -1 && PyErr_Occurred()) ||
+            attr_double(timing, s_decode_speedup_ratio, &decode_speedup) < 0 ||
+            attr_double(timing, s_total_kv_tokens, &total_kv) < 0)
+            return NULL;
+        double u = total_kv > 0 ? (double)active / total_kv : 1.0;
+        double d = D2 * u * u + D1 * u + D0;
+        total += (d > 1.0 ? d : 1.0) / decode_speedup;
+    }
+    return PyFloat_FromDouble(total / speedup / 1000.0);
+}
+
+/* ``_pass_start``: the rank's next pass (``MockerScheduler.step`` without its ``StepOutput``:
+ * the kernel's 7-tuple is kept in ``rank.raw``, timed here), or it goes idle. */
 static int
 pass_start(Loop *L, PyObject *rank)
 {
     int rc = -1;
     PyObject *sched = PyObject_GetAttr(rank, s_sched), *out = NULL, *ready = NULL;
-    PyObject *passes = NULL, *when = NULL, *duration = NULL;
-    if (sched == NULL || (out = call_method(sched, s_step, &L->now, 1)) == NULL)
+    PyObject *passes = NULL, *when = NULL, *duration = NULL, *vocab = NULL, *excluded = NULL;
+    PyObject *timing = NULL;
+    if (sched == NULL || (vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
+        (excluded = PyObject_GetAttr(sched, s_excluded)) == NULL)
         goto end;
-    int empty = attr_true(out, s_is_empty);
-    if (empty < 0)
+    PyObject *args[3] = {L->now, vocab, excluded};
+    if ((out = call_method(sched, s_mock_pass, args, 3)) == NULL)
         goto end;
-    if (empty) {
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
+        PyErr_SetString(PyExc_TypeError, "mock_pass returns a 7-tuple");
+        goto end;
+    }
+    /* (preempted, num_prefill_tokens, num_decodes, decode_context_tokens, tokens, finished,
+     *  events); empty (``StepOutput.is_empty``): no prefill token and no decode */
+    PyObject *prefill = PyTuple_GET_ITEM(out, 1), *decodes = PyTuple_GET_ITEM(out, 2);
+    int no_prefill = PyObject_RichCompareBool(prefill, kind_obj[0], Py_EQ);
+    int no_decode =
+        no_prefill <= 0 ? no_prefill : PyObject_RichCompareBool(decodes, kind_obj[0], Py_EQ);
+    if (no_prefill < 0 || no_decode < 0)
+        goto end;
+    if (no_prefill && no_decode) {
         if (PyObject_SetAttr(rank, s_state, state_obj[R_IDLE]) < 0 ||
             (ready = call_method(sched, s_next_ready_at, NULL, 0)) == NULL)
             goto end;
@@ -116,13 +209,14 @@ pass_start(Loop *L, PyObject *rank)
         rc = 0;
         goto end;
     }
-    if ((passes = PyObject_GetAttr(rank, s_passes)) == NULL)
+    if ((timing = PyObject_GetAttr(sched, s_timing)) == NULL ||
+        (duration = timed(timing, prefill, PyTuple_GET_ITEM(out, 3), decodes)) == NULL ||
+        (passes = PyObject_GetAttr(rank, s_passes)) == NULL)
         goto end;
     Py_SETREF(passes, PyNumber_Add(passes, one));
     if (passes == NULL || PyObject_SetAttr(rank, s_passes, passes) < 0 ||
-        PyObject_SetAttr(rank, s_out, out) < 0 ||
+        PyObject_SetAttr(rank, s_raw, out) < 0 ||
         PyObject_SetAttr(rank, s_state, state_obj[R_BUSY]) < 0 ||
-        (duration = PyObject_GetAttr(out, s_duration)) == NULL ||
         (when = PyNumber_Add(L->now, duration)) == NULL)
         goto end;
     rc = push(L, when, K_PASS_END, PyIter_Next(L->counter), rank);
@@ -133,19 +227,30 @@ end:
     Py_XDECREF(passes);
     Py_XDECREF(when);
     Py_XDECREF(duration);
+    Py_XDECREF(vocab);
+    Py_XDECREF(excluded);
+    Py_XDECREF(timing);
     return rc;
+}
+
+/* The module-level ``pass_seconds(timing, prefill, context, decodes)``: the C timing, for the
+ * test that holds it to ``TimingModel.pass_seconds`` bit for bit. */
+static PyObject *
+pass_seconds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "pass_seconds(timing, prefill, context, decodes)");
+        return NULL;
+    }
+    return timed(args[0], args[1], args[2], args[3]);
 }
 
 /* The tokens of the pass: ``deliver``, then the router's prefill-completed of each first. */
 static int
-tokens_of(Loop *L, PyObject *out, PyObject *core)
+tokens_of(Loop *L, PyObject *tokens, PyObject *core)
 {
-    PyObject *tokens = PyObject_GetAttr(out, s_tokens);
-    if (tokens == NULL)
-        return -1;
     PyObject *args[3] = {tokens, L->by_id, L->now};
     PyObject *firsts = PyObject_Vectorcall(L->deliver, args, 3, NULL);
-    Py_DECREF(tokens);
     if (firsts == NULL)
         return -1;
     int rc = 0;
@@ -173,15 +278,20 @@ static int
 pass_end(Loop *L, PyObject *rank)
 {
     int rc = -1;
-    PyObject *out = PyObject_GetAttr(rank, s_out), *pool = NULL, *core = NULL, *events = NULL;
-    PyObject *role = NULL, *finished = NULL, *held_queue = NULL, *sched = NULL, *order = NULL;
-    if (out == NULL || PyObject_SetAttr(rank, s_out, Py_None) < 0 ||
-        (pool = PyObject_GetAttr(rank, s_pool)) == NULL ||
+    PyObject *out = PyObject_GetAttr(rank, s_raw), *pool = NULL, *core = NULL;
+    PyObject *role = NULL, *held_queue = NULL, *sched = NULL, *order = NULL;
+    if (out == NULL || PyObject_SetAttr(rank, s_raw, Py_None) < 0)
+        goto end;
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
+        PyErr_SetString(PyExc_TypeError, "a running pass is mock_pass's 7-tuple");
+        goto end;
+    }
+    PyObject *tokens = PyTuple_GET_ITEM(out, 4), *finished = PyTuple_GET_ITEM(out, 5);
+    PyObject *events = PyTuple_GET_ITEM(out, 6);
+    if ((pool = PyObject_GetAttr(rank, s_pool)) == NULL ||
         (core = PyObject_GetAttr(pool, s_core)) == NULL)
         goto end;
     if (core != Py_None) {
-        if ((events = PyObject_GetAttr(out, s_events)) == NULL)
-            goto end;
         int any = PyObject_IsTrue(events);
         if (any < 0)
             goto end;
@@ -199,8 +309,7 @@ pass_end(Loop *L, PyObject *rank)
     if ((role = PyObject_GetAttr(pool, s_role)) == NULL)
         goto end;
     int prefill_pool = PyObject_RichCompareBool(role, str_prefill, Py_EQ);
-    if (prefill_pool < 0 || (!prefill_pool && tokens_of(L, out, core) < 0) ||
-        (finished = PyObject_GetAttr(out, s_finished)) == NULL)
+    if (prefill_pool < 0 || (!prefill_pool && tokens_of(L, tokens, core) < 0))
         goto end;
     int any_finished = PyObject_IsTrue(finished);
     if (any_finished < 0)
@@ -256,9 +365,7 @@ end:
     Py_XDECREF(out);
     Py_XDECREF(pool);
     Py_XDECREF(core);
-    Py_XDECREF(events);
     Py_XDECREF(role);
-    Py_XDECREF(finished);
     Py_XDECREF(held_queue);
     Py_XDECREF(sched);
     Py_XDECREF(order);
@@ -376,6 +483,8 @@ static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(sim, queue, timeouts, counter, wake, deliver): one phase of the replay's event loop "
      "to its end; the events processed."},
+    {"pass_seconds", (PyCFunction)(void (*)(void))pass_seconds, METH_FASTCALL,
+     "pass_seconds(timing, prefill, context, decodes): TimingModel.pass_seconds in C."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -394,20 +503,21 @@ intern(PyObject **slot, const char *text)
 PyMODINIT_FUNC
 PyInit__loop(void)
 {
-    if (intern(&s_now, "now") || intern(&s_sched, "sched") || intern(&s_step, "step") ||
-        intern(&s_is_empty, "is_empty") || intern(&s_state, "state") ||
+    if (intern(&s_now, "now") || intern(&s_sched, "sched") || intern(&s_state, "state") ||
         intern(&s_next_ready_at, "next_ready_at") || intern(&s_passes, "passes") ||
-        intern(&s_out, "out") || intern(&s_duration, "duration") || intern(&s_push, "push") ||
-        intern(&s_pool, "pool") || intern(&s_core, "core") || intern(&s_events, "events") ||
-        intern(&s_apply_events, "apply_events") || intern(&s_worker_id, "worker_id") ||
-        intern(&s_role, "role") || intern(&s_tokens, "tokens") ||
-        intern(&s_prefill_completed, "prefill_completed") ||
-        intern(&s_request_id, "request_id") || intern(&s_finished, "finished") ||
-        intern(&s_retire, "_retire") || intern(&s_queue, "queue") ||
+        intern(&s_raw, "raw") || intern(&s_push, "push") ||
+        intern(&s_pool, "pool") || intern(&s_core, "core") || intern(&s_apply_events, "apply_events") || intern(&s_worker_id, "worker_id") ||
+        intern(&s_role, "role") || intern(&s_prefill_completed, "prefill_completed") ||
+        intern(&s_request_id, "request_id") || intern(&s_retire, "_retire") || intern(&s_queue, "queue") ||
         intern(&s_has_work, "has_work") || intern(&s_release_held, "_release_held") ||
         intern(&s_next_when, "next_when") || intern(&s_pop, "pop") ||
         intern(&s_popleft, "popleft") || intern(&s_done, "done") ||
-        intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill"))
+        intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill") ||
+        intern(&s_mock_pass, "mock_pass") || intern(&s_vocab_size, "_vocab_size") ||
+        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing") ||
+        intern(&s_total_kv_tokens, "total_kv_tokens") ||
+        intern(&s_speedup_ratio, "speedup_ratio") ||
+        intern(&s_decode_speedup_ratio, "decode_speedup_ratio"))
         return NULL;
     for (int k = 0; k < 3; k++)
         if ((state_obj[k] = PyLong_FromLong(k)) == NULL || (kind_obj[k] = PyLong_FromLong(k)) == NULL)

@@ -24,3 +24,7 @@ def run(
     ``Simulation._phase``'s loop with ``_pass_start`` / ``_pass_end`` does, setting ``sim.now``
     at each instant; returns the events processed. An exception from a callback propagates
     (the loop stops there)."""
+
+def pass_seconds(timing: Any, prefill: int, context: int, decodes: int) -> float:
+    """``timing.pass_seconds(prefill, context, decodes)`` of a ``TimingModel`` as the loop
+    computes it in C (the same float; exposed for the test that compares them)."""

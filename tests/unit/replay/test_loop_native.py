@@ -18,6 +18,7 @@ from dynamo.bench.benchmark import build_workload
 from dynamo.bench.config import BenchConfig
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.timing import TimingModel
 from dynamo.replay import pools, simulator
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.report import routing_rows
@@ -158,3 +159,22 @@ def test_no_reference_left(native: ModuleType, monkeypatch: pytest.MonkeyPatch) 
     referenced exactly as after the Python loop's run (nothing kept or lost in C)."""
     fast = _refcounts_after_a_run(native, monkeypatch)
     assert fast == _refcounts_after_a_run(None, monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pass_timing_is_the_timing_models_bit_for_bit(native: ModuleType, seed: int) -> None:
+    """The loop times a pass itself (no ``StepOutput``): the same float as
+    ``TimingModel.pass_seconds`` for random batches, speedups (0 included) and pools."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        timing = TimingModel(
+            total_kv_tokens=rng.choice([0, 16, 8192, rng.randrange(1, 10**7)]),
+            speedup_ratio=rng.choice([0.0, 1.0, 2.5, rng.random() * 10]),
+            decode_speedup_ratio=rng.choice([1.0, 0.5, rng.random() * 4 + 0.01]),
+        )
+        prefill = rng.choice([0, 1, rng.randrange(1, 70_000)])
+        context = rng.choice([0, rng.randrange(0, 10**7)])
+        decodes = rng.choice([0, 1, rng.randrange(1, 1024)])
+        want = timing.pass_seconds(prefill, context, decodes)
+        got = native.pass_seconds(timing, prefill, context, decodes)
+        assert type(got) is float and got.hex() == want.hex()
