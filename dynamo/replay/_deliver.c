@@ -13,7 +13,8 @@
  * (docs/performance.md, "Offline replay"). An earlier try through the generic attribute API
  * gained nothing (CPython 3.11's specialised slot loads are as fast); here the slotted
  * dataclasses' fields are read and written in place at their member descriptors' offsets,
- * learned once per class (any other class goes through getattr / setattr, same results).
+ * learned once per class (``dynamo/_slots.h``; any other class goes through getattr /
+ * setattr, same results).
  *
  * The contract is ``_deliver.pyi``; ``_deliver_fallback.py`` is the same loop in Python
  * (``dynamo.native`` picks one) and tests/unit/replay/test_deliver_native.py holds the two to
@@ -21,88 +22,27 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
-#include <string.h>
+#include "../_slots.h"
 
-/* -- slotted classes: a field read or written at its offset ------------------------------- */
+/* -- the fields it reads and writes, at their slot offsets (dynamo/_slots.h) -------------- */
 
-enum { SEQ_REQUEST_ID, FL_RECORD, FL_LAST_TOKEN_AT, RC_START, RC_TTFT, RC_ITL, RC_OUTPUT, NF };
-
-static const char *const field_names[NF] = {
-    "request_id", "record", "last_token_at", "start", "ttft", "itl", "output_tokens",
-};
-static PyObject *names[NF];
+static const char *const seq_fields[] = {"request_id"};
+static const char *const flight_fields[] = {"record", "last_token_at"};
+static const char *const record_fields[] = {"start", "ttft", "itl", "output_tokens"};
+enum { SEQ_REQUEST_ID = 0 };
+enum { FL_RECORD = 0, FL_LAST_TOKEN_AT = 1 };
+enum { RC_START = 0, RC_TTFT = 1, RC_ITL = 2, RC_OUTPUT = 3 };
+static DynSlots seq_slots = DYN_SLOTS_OF(seq_fields), flight_slots = DYN_SLOTS_OF(flight_fields),
+                record_slots = DYN_SLOTS_OF(record_fields);
 static PyObject *one; /* the int 1 */
-
-/* The class whose offsets are known (one of each role: a replay has one class of each). */
-typedef struct {
-    PyTypeObject *type;     /* strong reference, NULL until learned */
-    PyTypeObject *refused;  /* strong reference: the last class that is not plain slots */
-    Py_ssize_t offsets[NF];
-} Layout;
-
-static Layout seq_layout, flight_layout, record_layout;
-
-/* Learn the offsets of fields [first, last) of ``type`` if each is a plain writable object slot
- * (otherwise that class goes through getattr / setattr). The first such class is kept. */
-static void
-learn(Layout *layout, PyTypeObject *type, int first, int last)
-{
-    if (layout->type != NULL || type == layout->refused)
-        return;
-    Py_ssize_t found[NF];
-    for (int k = first; k < last; k++) {
-        PyObject *d = PyObject_GetAttr((PyObject *)type, names[k]);
-        if (d == NULL) {
-            PyErr_Clear();
-            goto refuse;
-        }
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY);
-            found[k] = m->offset;
-        }
-        Py_DECREF(d);
-        if (!ok)
-            goto refuse;
-    }
-    memcpy(layout->offsets + first, found + first, sizeof(Py_ssize_t) * (size_t)(last - first));
-    layout->type = (PyTypeObject *)Py_NewRef(type);
-    return;
-refuse:
-    Py_XSETREF(layout->refused, (PyTypeObject *)Py_NewRef(type));
-}
-
-/* A field's value (new reference), or NULL with an exception. */
-static PyObject *
-get(Layout *layout, PyObject *obj, int f)
-{
-    if (Py_TYPE(obj) == layout->type) {
-        PyObject *v = *(PyObject **)((char *)obj + layout->offsets[f]);
-        if (v == NULL) {
-            PyErr_Format(PyExc_AttributeError, "%U", names[f]);
-            return NULL;
-        }
-        return Py_NewRef(v);
-    }
-    return PyObject_GetAttr(obj, names[f]);
-}
 
 /* Set a field to the new reference ``v`` (stolen; NULL: the error that made it). */
 static int
-put_new(Layout *layout, PyObject *obj, int f, PyObject *v)
+put_new(DynSlots *l, PyObject *obj, int f, PyObject *v)
 {
     if (v == NULL)
         return -1;
-    if (Py_TYPE(obj) == layout->type) {
-        PyObject **slot = (PyObject **)((char *)obj + layout->offsets[f]);
-        PyObject *old = *slot;
-        *slot = v;
-        Py_XDECREF(old);
-        return 0;
-    }
-    int rc = PyObject_SetAttr(obj, names[f], v);
+    int rc = dyn_slots_put(l, obj, f, v);
     Py_DECREF(v);
     return rc;
 }
@@ -121,33 +61,32 @@ static int
 one_token(PyObject *flight, PyObject *now)
 {
     int first = 0;
-    PyObject *record = get(&flight_layout, flight, FL_RECORD);
+    PyObject *record = dyn_slots_get(&flight_slots, flight, FL_RECORD);
     if (record == NULL)
         return -1;
-    learn(&record_layout, Py_TYPE(record), RC_START, NF);
-    PyObject *ttft = get(&record_layout, record, RC_TTFT);
+    PyObject *ttft = dyn_slots_get(&record_slots, record, RC_TTFT);
     if (ttft == NULL)
         goto fail;
     Py_DECREF(ttft); /* identity only (None or not) */
     if (ttft == Py_None) {
-        PyObject *start = get(&record_layout, record, RC_START);
+        PyObject *start = dyn_slots_get(&record_slots, record, RC_START);
         if (start == NULL)
             goto fail;
-        int rc = put_new(&record_layout, record, RC_TTFT, minus(now, start));
+        int rc = put_new(&record_slots, record, RC_TTFT, minus(now, start));
         Py_DECREF(start);
         if (rc < 0)
             goto fail;
         first = 1;
     }
     else {
-        PyObject *last = get(&flight_layout, flight, FL_LAST_TOKEN_AT);
+        PyObject *last = dyn_slots_get(&flight_slots, flight, FL_LAST_TOKEN_AT);
         if (last == NULL)
             goto fail;
         PyObject *gap = minus(now, last);
         Py_DECREF(last);
         if (gap == NULL)
             goto fail;
-        PyObject *itl = get(&record_layout, record, RC_ITL);
+        PyObject *itl = dyn_slots_get(&record_slots, record, RC_ITL);
         if (itl == NULL) {
             Py_DECREF(gap);
             goto fail;
@@ -165,9 +104,9 @@ one_token(PyObject *flight, PyObject *now)
         if (rc < 0)
             goto fail;
     }
-    if (put_new(&flight_layout, flight, FL_LAST_TOKEN_AT, Py_NewRef(now)) < 0)
+    if (put_new(&flight_slots, flight, FL_LAST_TOKEN_AT, Py_NewRef(now)) < 0)
         goto fail;
-    PyObject *n = get(&record_layout, record, RC_OUTPUT);
+    PyObject *n = dyn_slots_get(&record_slots, record, RC_OUTPUT);
     if (n == NULL)
         goto fail;
     PyObject *n1;
@@ -179,7 +118,7 @@ one_token(PyObject *flight, PyObject *now)
         n1 = PyNumber_Add(n, one);
     }
     Py_DECREF(n);
-    if (put_new(&record_layout, record, RC_OUTPUT, n1) < 0)
+    if (put_new(&record_slots, record, RC_OUTPUT, n1) < 0)
         goto fail;
     Py_DECREF(record);
     return first;
@@ -209,8 +148,7 @@ deliver(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         PyObject *seq = PyTuple_GET_ITEM(item, 0);
-        learn(&seq_layout, Py_TYPE(seq), SEQ_REQUEST_ID, SEQ_REQUEST_ID + 1);
-        PyObject *rid = get(&seq_layout, seq, SEQ_REQUEST_ID);
+        PyObject *rid = dyn_slots_get(&seq_slots, seq, SEQ_REQUEST_ID);
         if (rid == NULL)
             goto fail;
         PyObject *flight = PyDict_GetItemWithError(by_id, rid); /* borrowed */
@@ -221,7 +159,6 @@ deliver(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             continue; /* abandoned while the pass ran */
         }
         Py_INCREF(flight); /* the dict may change under a setattr's side effects */
-        learn(&flight_layout, Py_TYPE(flight), FL_RECORD, FL_LAST_TOKEN_AT + 1);
         int first = one_token(flight, now);
         if (first == 1) {
             if (firsts == NULL && (firsts = PyList_New(0)) == NULL)
@@ -257,10 +194,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__deliver(void)
 {
-    if (one == NULL && (one = PyLong_FromLong(1)) == NULL)
+    if ((one == NULL && (one = PyLong_FromLong(1)) == NULL) || dyn_slots_init(&seq_slots) < 0 ||
+        dyn_slots_init(&flight_slots) < 0 || dyn_slots_init(&record_slots) < 0)
         return NULL;
-    for (int k = 0; k < NF; k++)
-        if (names[k] == NULL && (names[k] = PyUnicode_InternFromString(field_names[k])) == NULL)
-            return NULL;
     return PyModule_Create(&module);
 }

@@ -24,17 +24,29 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "../_slots.h"
+
 /* The event kinds and rank states (simulator.py's ``_SEND`` ..., pools.py's ``IDLE`` ...);
  * the module exports them and a test holds them equal to the Python names. */
 enum { K_SEND = 0, K_PASS_END = 1, K_PASS_START = 2 };
 enum { R_IDLE = 0, R_SCHEDULED = 1, R_BUSY = 2 };
 
-static PyObject *s_now, *s_sched, *s_state, *s_next_ready_at, *s_passes,
-    *s_raw, *s_push, *s_pool, *s_core, *s_apply_events, *s_worker_id,
-    *s_role, *s_prefill_completed, *s_request_id, *s_retire, *s_queue,
-    *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft, *s_done, *s_time_out,
-    *s_mock_pass, *s_vocab_size, *s_excluded, *s_timing, *s_total_kv_tokens, *s_speedup_ratio,
-    *s_decode_speedup_ratio, *str_prefill, *state_obj[3], *kind_obj[3], *one;
+/* The slotted dataclasses' fields it reads and writes, at their offsets (dynamo/_slots.h):
+ * pools.py's Rank and Pool, mocker/timing.py's TimingModel (read only: it is frozen). */
+static const char *const rank_fields[] = {"sched", "pool", "state", "raw", "passes", "worker_id"};
+static const char *const pool_fields[] = {"core", "role", "queue"};
+static const char *const timing_fields[] = {"speedup_ratio", "decode_speedup_ratio",
+                                            "total_kv_tokens"};
+enum { RK_SCHED, RK_POOL, RK_STATE, RK_RAW, RK_PASSES, RK_WORKER_ID };
+enum { PL_CORE, PL_ROLE, PL_QUEUE };
+enum { TM_SPEEDUP, TM_DECODE_SPEEDUP, TM_TOTAL_KV };
+static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields), pool_slots = DYN_SLOTS_OF(pool_fields),
+                timing_slots = DYN_SLOTS_OF(timing_fields);
+
+static PyObject *s_now, *s_next_ready_at, *s_push, *s_apply_events, *s_prefill_completed,
+    *s_request_id, *s_retire, *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft,
+    *s_done, *s_time_out, *s_mock_pass, *s_vocab_size, *s_excluded, *s_timing, *str_prefill,
+    *state_obj[3], *kind_obj[3], *one;
 
 /* The mocker's timing model (dynamo/mocker/timing.py: ``prefill_ms``, ``decode_ms``,
  * ``TimingModel.pass_seconds``, the definition): its coefficients are read from that module. */
@@ -110,6 +122,18 @@ attr_double(PyObject *obj, PyObject *name, double *out)
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* A TimingModel's field as a double (its slot, or getattr for another class). */
+static int
+timing_field(PyObject *timing, int f, double *out)
+{
+    PyObject *v = dyn_slots_get(&timing_slots, timing, f);
+    if (v == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
 static int
 ensure_timing(void)
 {
@@ -140,7 +164,7 @@ static PyObject *
 timed(PyObject *timing, PyObject *prefill, PyObject *context, PyObject *decodes)
 {
     double speedup, decode_speedup, total_kv;
-    if (ensure_timing() < 0 || attr_double(timing, s_speedup_ratio, &speedup) < 0)
+    if (ensure_timing() < 0 || timing_field(timing, TM_SPEEDUP, &speedup) < 0)
         return NULL;
     if (speedup == 0)
         return PyFloat_FromDouble(0.0);
@@ -158,8 +182,8 @@ timed(PyObject *timing, PyObject *prefill, PyObject *context, PyObject *decodes)
     if (k > 0) { /* decode_ms / decode_speedup_ratio */
         long long active = PyLong_AsLongLong(context);
         if ((active == -1 && PyErr_Occurred()) ||
-            attr_double(timing, s_decode_speedup_ratio, &decode_speedup) < 0 ||
-            attr_double(timing, s_total_kv_tokens, &total_kv) < 0)
+            timing_field(timing, TM_DECODE_SPEEDUP, &decode_speedup) < 0 ||
+            timing_field(timing, TM_TOTAL_KV, &total_kv) < 0)
             return NULL;
         double u = total_kv > 0 ? (double)active / total_kv : 1.0;
         double d = D2 * u * u + D1 * u + D0;
@@ -174,7 +198,7 @@ static int
 pass_start(Loop *L, PyObject *rank)
 {
     int rc = -1;
-    PyObject *sched = PyObject_GetAttr(rank, s_sched), *out = NULL, *ready = NULL;
+    PyObject *sched = dyn_slots_get(&rank_slots, rank, RK_SCHED), *out = NULL, *ready = NULL;
     PyObject *passes = NULL, *when = NULL, *duration = NULL, *vocab = NULL, *excluded = NULL;
     PyObject *timing = NULL;
     if (sched == NULL || (vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
@@ -196,12 +220,12 @@ pass_start(Loop *L, PyObject *rank)
     if (no_prefill < 0 || no_decode < 0)
         goto end;
     if (no_prefill && no_decode) {
-        if (PyObject_SetAttr(rank, s_state, state_obj[R_IDLE]) < 0 ||
+        if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_IDLE]) < 0 ||
             (ready = call_method(sched, s_next_ready_at, NULL, 0)) == NULL)
             goto end;
         if (ready != Py_None) { /* every runnable request waits for its KV transfer */
             int later = PyObject_RichCompareBool(L->now, ready, Py_GT); /* max(ready, now) */
-            if (later < 0 || PyObject_SetAttr(rank, s_state, state_obj[R_SCHEDULED]) < 0 ||
+            if (later < 0 || dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_SCHEDULED]) < 0 ||
                 push(L, later ? L->now : ready, K_PASS_START, PyIter_Next(L->counter), rank) <
                     0)
                 goto end;
@@ -211,12 +235,12 @@ pass_start(Loop *L, PyObject *rank)
     }
     if ((timing = PyObject_GetAttr(sched, s_timing)) == NULL ||
         (duration = timed(timing, prefill, PyTuple_GET_ITEM(out, 3), decodes)) == NULL ||
-        (passes = PyObject_GetAttr(rank, s_passes)) == NULL)
+        (passes = dyn_slots_get(&rank_slots, rank, RK_PASSES)) == NULL)
         goto end;
     Py_SETREF(passes, PyNumber_Add(passes, one));
-    if (passes == NULL || PyObject_SetAttr(rank, s_passes, passes) < 0 ||
-        PyObject_SetAttr(rank, s_raw, out) < 0 ||
-        PyObject_SetAttr(rank, s_state, state_obj[R_BUSY]) < 0 ||
+    if (passes == NULL || dyn_slots_put(&rank_slots, rank, RK_PASSES, passes) < 0 ||
+        dyn_slots_put(&rank_slots, rank, RK_RAW, out) < 0 ||
+        dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_BUSY]) < 0 ||
         (when = PyNumber_Add(L->now, duration)) == NULL)
         goto end;
     rc = push(L, when, K_PASS_END, PyIter_Next(L->counter), rank);
@@ -278,9 +302,9 @@ static int
 pass_end(Loop *L, PyObject *rank)
 {
     int rc = -1;
-    PyObject *out = PyObject_GetAttr(rank, s_raw), *pool = NULL, *core = NULL;
+    PyObject *out = dyn_slots_get(&rank_slots, rank, RK_RAW), *pool = NULL, *core = NULL;
     PyObject *role = NULL, *held_queue = NULL, *sched = NULL, *order = NULL;
-    if (out == NULL || PyObject_SetAttr(rank, s_raw, Py_None) < 0)
+    if (out == NULL || dyn_slots_put(&rank_slots, rank, RK_RAW, Py_None) < 0)
         goto end;
     if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
         PyErr_SetString(PyExc_TypeError, "a running pass is mock_pass's 7-tuple");
@@ -288,15 +312,15 @@ pass_end(Loop *L, PyObject *rank)
     }
     PyObject *tokens = PyTuple_GET_ITEM(out, 4), *finished = PyTuple_GET_ITEM(out, 5);
     PyObject *events = PyTuple_GET_ITEM(out, 6);
-    if ((pool = PyObject_GetAttr(rank, s_pool)) == NULL ||
-        (core = PyObject_GetAttr(pool, s_core)) == NULL)
+    if ((pool = dyn_slots_get(&rank_slots, rank, RK_POOL)) == NULL ||
+        (core = dyn_slots_get(&pool_slots, pool, PL_CORE)) == NULL)
         goto end;
     if (core != Py_None) {
         int any = PyObject_IsTrue(events);
         if (any < 0)
             goto end;
         if (any) {
-            PyObject *wid = PyObject_GetAttr(rank, s_worker_id);
+            PyObject *wid = dyn_slots_get(&rank_slots, rank, RK_WORKER_ID);
             if (wid == NULL)
                 goto end;
             PyObject *args[2] = {wid, events};
@@ -306,7 +330,7 @@ pass_end(Loop *L, PyObject *rank)
                 goto end;
         }
     }
-    if ((role = PyObject_GetAttr(pool, s_role)) == NULL)
+    if ((role = dyn_slots_get(&pool_slots, pool, PL_ROLE)) == NULL)
         goto end;
     int prefill_pool = PyObject_RichCompareBool(role, str_prefill, Py_EQ);
     if (prefill_pool < 0 || (!prefill_pool && tokens_of(L, tokens, core) < 0))
@@ -319,7 +343,7 @@ pass_end(Loop *L, PyObject *rank)
         if (done(call_method(L->sim, s_retire, args, 2)) < 0)
             goto end;
     }
-    if ((held_queue = PyObject_GetAttr(pool, s_queue)) == NULL)
+    if ((held_queue = dyn_slots_get(&pool_slots, pool, PL_QUEUE)) == NULL)
         goto end;
     int held = 0;
     if (held_queue != Py_None && !prefill_pool) {
@@ -328,13 +352,13 @@ pass_end(Loop *L, PyObject *rank)
             goto end;
         held = n > 0;
     }
-    if ((sched = PyObject_GetAttr(rank, s_sched)) == NULL)
+    if ((sched = dyn_slots_get(&rank_slots, rank, RK_SCHED)) == NULL)
         goto end;
     int work = attr_true(sched, s_has_work);
     if (work < 0)
         goto end;
     if (!work) {
-        if (PyObject_SetAttr(rank, s_state, state_obj[R_IDLE]) < 0 ||
+        if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_IDLE]) < 0 ||
             (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
             goto end;
         rc = 0;
@@ -342,7 +366,7 @@ pass_end(Loop *L, PyObject *rank)
     }
     /* The next pass starts now, after every arrival and pass end of this instant and after the
      * pass starts already due (its place in the FIFO is taken here, as a push would). */
-    if (PyObject_SetAttr(rank, s_state, state_obj[R_SCHEDULED]) < 0 ||
+    if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_SCHEDULED]) < 0 ||
         (order = PyIter_Next(L->counter)) == NULL ||
         (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
         goto end;
@@ -503,21 +527,19 @@ intern(PyObject **slot, const char *text)
 PyMODINIT_FUNC
 PyInit__loop(void)
 {
-    if (intern(&s_now, "now") || intern(&s_sched, "sched") || intern(&s_state, "state") ||
-        intern(&s_next_ready_at, "next_ready_at") || intern(&s_passes, "passes") ||
-        intern(&s_raw, "raw") || intern(&s_push, "push") ||
-        intern(&s_pool, "pool") || intern(&s_core, "core") || intern(&s_apply_events, "apply_events") || intern(&s_worker_id, "worker_id") ||
-        intern(&s_role, "role") || intern(&s_prefill_completed, "prefill_completed") ||
-        intern(&s_request_id, "request_id") || intern(&s_retire, "_retire") || intern(&s_queue, "queue") ||
+    if (intern(&s_now, "now") || intern(&s_next_ready_at, "next_ready_at") ||
+        intern(&s_push, "push") || intern(&s_apply_events, "apply_events") ||
+        intern(&s_prefill_completed, "prefill_completed") ||
+        intern(&s_request_id, "request_id") || intern(&s_retire, "_retire") ||
         intern(&s_has_work, "has_work") || intern(&s_release_held, "_release_held") ||
         intern(&s_next_when, "next_when") || intern(&s_pop, "pop") ||
         intern(&s_popleft, "popleft") || intern(&s_done, "done") ||
         intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill") ||
         intern(&s_mock_pass, "mock_pass") || intern(&s_vocab_size, "_vocab_size") ||
-        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing") ||
-        intern(&s_total_kv_tokens, "total_kv_tokens") ||
-        intern(&s_speedup_ratio, "speedup_ratio") ||
-        intern(&s_decode_speedup_ratio, "decode_speedup_ratio"))
+        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing"))
+        return NULL;
+    if (dyn_slots_init(&rank_slots) < 0 || dyn_slots_init(&pool_slots) < 0 ||
+        dyn_slots_init(&timing_slots) < 0)
         return NULL;
     for (int k = 0; k < 3; k++)
         if ((state_obj[k] = PyLong_FromLong(k)) == NULL || (kind_obj[k] = PyLong_FromLong(k)) == NULL)
