@@ -25,6 +25,9 @@ Events, in time order (ties: arrivals first, then pass ends, then pass starts, e
   sent-time + a constant, so they are kept in a FIFO, not the heap; one due at the same instant as
   an event fires after it (the tokens of that instant arrive first).
 
+The loop with ``_pass_start`` / ``_pass_end`` runs in C when it is built (``replay/_loop.c``,
+step for step the same; ``DYN_NATIVE=0`` runs this Python).
+
 Deterministic for a given seed: one ``random.Random`` per use, seeded from it, and no
 dependence on wall-clock time or hash ordering.
 """
@@ -205,7 +208,7 @@ class Simulation:
         pop, next_when = queue.pop, queue.next_when
         pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
         self._events = 0
-        if _native_loop is not None:  # the same loop in C (replay/_loop.c): _pass_* inside
+        if _native_loop is not None:  # this loop in C (replay/_loop.c), to the phase's end:
             self._events = _native_loop.run(self, queue, timeouts, self._counter, wake, deliver)
         while queue or timeouts:
             if timeouts and timeouts[0][0] < next_when():  # (inf when the queue is empty)
