@@ -43,7 +43,8 @@ FALLBACK_SUITES := tests/unit/router tests/unit/runtime/test_sender.py \
 	tests/unit/engine_core tests/unit/mocker/test_scheduler.py \
 	tests/unit/bench/test_bench_workload.py tests/unit/bench/test_draw_native.py \
 	tests/unit/bench/test_stats_native.py tests/unit/bench/test_bench_report.py \
-	tests/unit/replay/test_events_native.py tests/unit/replay/test_replay.py
+	tests/unit/replay/test_events_native.py tests/unit/replay/test_replay.py \
+	tests/unit/replay/test_deliver_native.py tests/unit/replay/test_loop_native.py
 
 test-fallback: $(VENV)/.installed
 	DYN_NATIVE=0 $(VENV)/bin/pytest -q -p no:cacheprovider $(FALLBACK_SUITES)

@@ -10,11 +10,13 @@ they cannot be built:
   ``engine_core._pass`` and ``engine_core._kv`` (the scheduler pass's loops and the KV
   manager: a native table; the fallback keeps Python containers), ``bench._draw`` (the
   workloads' random words: ``random.choices``' draws), ``replay._events`` (the replay's event
-  queue; the fallback is heapq), ``bench._stats`` (the report's order statistics of a series;
+  queue; the fallback is heapq), ``replay._deliver`` (a replay pass's tokens into the requests'
+  records), ``bench._stats`` (the report's order statistics of a series;
   the fallback sorts the Python list);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
-  ``slot_tracker._loads`` (``/potential_loads``) and ``pytorch._paged_attn`` (decode attention).
+  ``slot_tracker._loads`` (``/potential_loads``), ``pytorch._paged_attn`` (decode attention) and
+  ``replay._loop`` (the replay's event loop).
 
 ``DYN_NATIVE=0`` forces every fallback (one CI pass, ``make test-fallback``, runs the suites that
 way); otherwise a native module is used whenever it imports."""

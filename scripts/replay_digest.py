@@ -3,6 +3,8 @@ change to the replay's engine or router code left every result byte-identical.
 
     python scripts/replay_digest.py [NAME ...]        # all shapes, or the named ones
     DYN_NATIVE=0 python scripts/replay_digest.py      # the pure-Python twins: same digest
+    python scripts/replay_digest.py --extra           # 9 more shapes (router queue, timeouts,
+                                                      # warm-up, 100 workers, 3P2D): own TOTAL
 
 Prints one short digest per shape and the TOTAL over all of them; compare TOTAL before and after
 a change (docs/performance.md, "Offline replay", records the digests of main).
@@ -120,9 +122,49 @@ CASES: dict[str, tuple[BenchConfig, Deployment]] = {
 }
 
 
+QUEUE_LOAD = dict(rate=300.0, num_requests=120, prefix_len=2048, suffix_len=128, osl=24)
+EXTRA: dict[str, tuple[BenchConfig, Deployment]] = {
+    "q-fcfs": (
+        bench(**QUEUE_LOAD),
+        Deployment(4, "kv", kv=K(queue_threshold=0.5, queue_max_requests=5), engine=E),
+    ),
+    "q-wspt": (
+        bench(**QUEUE_LOAD),
+        Deployment(
+            4, "kv", kv=K(queue_threshold=0.5, queue_policy="wspt", queue_max_requests=5), engine=E
+        ),
+    ),
+    "q-none": (bench(**QUEUE_LOAD), Deployment(4, "kv", engine=E)),
+    "timeout": (
+        bench(rate=200.0, max_concurrency=12, request_timeout_s=2.2, osl=64, num_requests=120),
+        Deployment(2, "kv", engine=engine(num_gpu_blocks=256)),
+    ),
+    "warmup": (bench(warmup=40, isl=700), Deployment(4, "kv", engine=E)),
+    "w100": (
+        bench(num_requests=300, concurrency=64, osl=24),
+        Deployment(100, "kv", engine=E),
+    ),
+    "3p2d": (
+        bench(num_requests=200),
+        Deployment(
+            2,
+            "kv",
+            engine=E,
+            prefill_workers=3,
+            disagg=DisaggSettings(max_local_prefill_length=64),
+        ),
+    ),
+    "dp4-rr": (bench(), Deployment(2, "round-robin", engine=engine(data_parallel_size=4))),
+    "speed0": (bench(), Deployment(4, "kv", engine=engine(speedup_ratio=0.0))),
+}
+
+
 def main(only: list[str]) -> None:
     total = hashlib.sha256()
-    for name, (config, deployment) in CASES.items():
+    cases = CASES
+    if only[:1] == ["--extra"]:
+        cases, only = EXTRA, only[1:]
+    for name, (config, deployment) in cases.items():
         if only and name not in only:
             continue
         result = run_replay(config, deployment, plots=False)

@@ -51,7 +51,8 @@ class MockerScheduler(Scheduler):
             kv_bytes_per_token=config.kv_bytes_per_token,
         )
         self._sampler = TokenSampler(config.vocab_size, config.special_token_ids)
-        # read once a pass: held here, not looked up through the sampler's properties
+        # read once a pass: held here, not looked up through the sampler's properties (the
+        # replay's native loop, replay/_loop.c, reads them too: it times the pass itself)
         self._pass_seconds = self.timing.pass_seconds
         self._vocab_size, self._excluded = self._sampler.vocab_size, self._sampler.excluded
 

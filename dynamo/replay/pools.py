@@ -49,6 +49,7 @@ class Rank:
     pool: Pool
     state: int = IDLE
     out: StepOutput | None = None
+    raw: tuple[Any, ...] | None = None  # the native loop's running pass (mock_pass's tuple)
     passes: int = 0
 
 

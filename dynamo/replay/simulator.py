@@ -25,6 +25,9 @@ Events, in time order (ties: arrivals first, then pass ends, then pass starts, e
   sent-time + a constant, so they are kept in a FIFO, not the heap; one due at the same instant as
   an event fires after it (the tokens of that instant arrive first).
 
+The loop with ``_pass_start`` / ``_pass_end`` runs in C when it is built (``replay/_loop.c``,
+step for step the same; ``DYN_NATIVE=0`` runs this Python).
+
 Deterministic for a given seed: one ``random.Random`` per use, seeded from it, and no
 dependence on wall-clock time or hash ordering.
 """
@@ -37,12 +40,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from dynamo import native
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
 from dynamo.engine_core.sequence import Sequence, new_sequence
 from dynamo.frontend.disagg import prefill_remotely
 from dynamo.frontend.errors import to_http
 from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
@@ -60,6 +65,8 @@ from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
+_native_loop = native.load_optional("dynamo.replay._loop")
+"""The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
 
 
 @dataclass(slots=True)
@@ -201,6 +208,8 @@ class Simulation:
         pop, next_when = queue.pop, queue.next_when
         pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
         self._events = 0
+        if _native_loop is not None:  # this loop in C (replay/_loop.c), to the phase's end:
+            self._events = _native_loop.run(self, queue, timeouts, self._counter, wake, deliver)
         while queue or timeouts:
             if timeouts and timeouts[0][0] < next_when():  # (inf when the queue is empty)
                 when, flight = timeouts.popleft()
@@ -403,39 +412,13 @@ class Simulation:
             core.apply_events(rank.worker_id, out.events)
         by_id = self._by_id
         prefill_pool = pool.role == "prefill"
-        if not prefill_pool:
-            for seq, _token in out.tokens:
-                flight = by_id.get(seq.request_id)
-                if flight is None:
-                    continue  # abandoned while the pass ran
-                record = flight.record
-                if record.ttft is None:
-                    record.ttft = now - record.start
-                    if core is not None:
-                        core.prefill_completed(flight.request_id)
-                else:
-                    record.itl.append(now - flight.last_token_at)
-                flight.last_token_at = now
-                record.output_tokens += 1
-        for seq in out.finished:
-            flight = by_id.get(seq.request_id)
-            if flight is None:
-                continue
-            if core is not None:
-                core.free(flight.request_id)
-            if prefill_pool:
-                self._to_decode(flight, seq, rank)
-                continue
-            record = flight.record
-            record.end = now
-            record.status = 200
-            record.prompt_tokens = seq.num_prompt_tokens
-            if record.cached_tokens is None:
-                record.cached_tokens = seq.num_cached_tokens or 0
-            record.finish_reason = "length" if seq.finish_reason is None else _finish(seq)
-            if self._decode_text is not None:
-                record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
-            self._finish(flight)
+        if not prefill_pool:  # the tokens' TTFT / ITL accounting, in one call
+            firsts = deliver(out.tokens, by_id, now)
+            if firsts is not None and core is not None:
+                for flight in firsts:
+                    core.prefill_completed(flight.request_id)
+        if out.finished:
+            self._retire(rank, out.finished)
         held = pool.queue is not None and not prefill_pool and len(pool.queue) > 0
         if not rank.sched.has_work:
             rank.state = IDLE
@@ -454,6 +437,31 @@ class Simulation:
         else:  # nothing else is due now: the pop would be the very next event
             self._events += 1
             self._pass_start(rank)
+
+    def _retire(self, rank: Rank, finished: list[Sequence]) -> None:
+        """The requests that finished in ``rank``'s pass ending now: the router frees them;
+        a prefill moves to its decode worker, any other request's record is complete."""
+        now, by_id, core = self.now, self._by_id, rank.pool.core
+        prefill_pool = rank.pool.role == "prefill"
+        for seq in finished:
+            flight = by_id.get(seq.request_id)
+            if flight is None:
+                continue
+            if core is not None:
+                core.free(flight.request_id)
+            if prefill_pool:
+                self._to_decode(flight, seq, rank)
+                continue
+            record = flight.record
+            record.end = now
+            record.status = 200
+            record.prompt_tokens = seq.num_prompt_tokens
+            if record.cached_tokens is None:
+                record.cached_tokens = seq.num_cached_tokens or 0
+            record.finish_reason = "length" if seq.finish_reason is None else _finish(seq)
+            if self._decode_text is not None:
+                record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
+            self._finish(flight)
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: Rank) -> None:
         """Disaggregation: the prompt's KV is ready on the prefill worker; it moves to the

@@ -78,6 +78,7 @@ class RoutingCore:
         self.workers: dict[int, WorkerSpec] = {}
         self._targets: list[tuple[WorkerSpec, int]] = []  # every (worker, rank), in join order
         self._target_keys: list[tuple[int, int]] = []  # their (worker_id, rank), same order
+        self._target_index: dict[tuple[int, int], int] = {}  # a key's place in _target_keys
 
     # -- membership ------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> bool:
@@ -87,7 +88,7 @@ class RoutingCore:
         self.workers[worker.worker_id] = worker
         self.sequences.add_worker(worker.worker_id, worker.ranks)
         self._targets.extend((worker, rank) for rank in worker.ranks)
-        self._target_keys = [(w.worker_id, r) for w, r in self._targets]
+        self._keys_changed()
         return True
 
     def remove_worker(self, worker_id: int) -> bool:
@@ -95,7 +96,7 @@ class RoutingCore:
         if self.workers.pop(worker_id, None) is None:
             return False
         self._targets = [t for t in self._targets if t[0].worker_id != worker_id]
-        self._target_keys = [(w.worker_id, r) for w, r in self._targets]
+        self._keys_changed()
         self.sequences.remove_worker(worker_id)
         if self.indexer is not None:
             self.indexer.remove_worker(worker_id)
@@ -218,6 +219,10 @@ class RoutingCore:
         return True
 
     # -- internals -------------------------------------------------------------------------
+    def _keys_changed(self) -> None:
+        self._target_keys = [(w.worker_id, r) for w, r in self._targets]
+        self._target_index = {key: i for i, key in enumerate(self._target_keys)}
+
     def _eligible(
         self, allowed: Collection[int] | None, pinned: int | None, rank: int | None
     ) -> list[tuple[WorkerSpec, int]]:
@@ -246,15 +251,23 @@ class RoutingCore:
     ) -> Selection:
         """``select_worker`` without busy thresholds, over columns: the per-target work is list
         building and the cost kernel (``selector.column_costs``), no ``Candidate`` objects."""
+        index: dict[tuple[int, int], int] | None = None
         if targets is self._targets:
-            keys = self._target_keys
+            keys, index = self._target_keys, self._target_index
         else:
             keys = [(w.worker_id, r) for w, r in targets]
         prefill, decode, new, requests = self.sequences.load_columns(seqs, keys)
         if not self.settings.track_active_blocks:
             decode = new = [0] * len(keys)
-        get = overlaps.get
-        overlap = [get(key, 0) for key in keys] if overlaps else [0] * len(keys)
+        overlap = [0] * len(keys)
+        if index is not None:  # the matched ranks only (few of many): their places by key
+            for key, blocks in overlaps.items():
+                place = index.get(key)
+                if place is not None:
+                    overlap[place] = blocks
+        elif overlaps:
+            get = overlaps.get
+            overlap = [get(key, 0) for key in keys]
         bs = self.block_size
         costs = column_costs(overlap, prefill, decode, new, requests, isl_tokens, bs, self.selector)
         i = choose(costs, self.selector, self.rng)

@@ -215,9 +215,9 @@ async def test_load_shedding_refuses_past_capacity_with_retry_after(stack: Stack
     await stack.wait_for_model()
     # a short request first, so the drain rate has a finish to measure
     assert (await client.post(CHAT, json=chat(max_tokens=1))).status_code == 200
-    # long enough (about 1.2 s at speedup 1) to still hold both places when the third comes on
-    # a loaded machine (60 tokens were 0.35 s)
-    long = chat(max_tokens=200, nvext={"ignore_eos": True})
+    # long enough (about 2.4 s at speedup 1) to still hold both places when the third comes on
+    # a starved machine (60 tokens were 0.35 s)
+    long = chat(max_tokens=400, nvext={"ignore_eos": True})
     first = [asyncio.create_task(client.post(CHAT, json=long)) for _ in range(2)]
     assert stack.frontend is not None
     admission = stack.frontend.generate.admission

@@ -158,13 +158,17 @@ async def test_cancellation_aborts_and_frees_vllm_blocks(
         raise AssertionError(f"vLLM still holds the cancelled request: {eng.metrics_snapshot()}")
     out = await run(eng, request_for(list(range(5, 40)), 3, greedy=True))
     assert len(ids(out)) == 3
-    # The reset reached the router's view as a "cleared" event, then the new request's block.
-    await settled(batches)
-    assert any(isinstance(e.data, AllBlocksCleared) for b in batches for e in b.events)
+    # The reset reached the router's view as a "cleared" event, then the new request's block
+    # (waited for, not assumed after a quiet spell: events cross a ZMQ socket at a step's end).
     assert eng.bridge is not None
-    assert eng.bridge.stored_hashes() == set(
-        sequence_hashes(local_block_hashes(list(range(5, 40)), BS))
-    )
+    expected = set(sequence_hashes(local_block_hashes(list(range(5, 40)), BS)))
+    for _ in range(400):
+        cleared = any(isinstance(e.data, AllBlocksCleared) for b in batches for e in b.events)
+        if cleared and eng.bridge.stored_hashes() == expected:
+            break
+        await asyncio.sleep(0.05)
+    assert any(isinstance(e.data, AllBlocksCleared) for b in batches for e in b.events)
+    assert eng.bridge.stored_hashes() == expected
 
 
 async def test_scheduler_gauges_are_the_only_prometheus_logger(
@@ -188,11 +192,11 @@ async def test_scheduler_gauges_are_the_only_prometheus_logger(
 
 
 async def settled(batches: list[KVEventBatch]) -> None:
-    """Until no KV event batch has arrived for 0.3 s (vLLM publishes each step's events at the
+    """Until no KV event batch has arrived for 0.5 s (vLLM publishes each step's events at the
     end of the step; they cross a ZMQ socket)."""
     seen = -1
     for _ in range(100):
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.5)
         if len(batches) == seen:
             return
         seen = len(batches)

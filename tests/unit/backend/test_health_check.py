@@ -27,7 +27,8 @@ from dynamo.runtime.runtime import DistributedRuntime, InProcessHub
 from tests.fakes import CountingEngine
 
 RUNTIME = RuntimeConfig(discovery_backend="memory", request_plane="local", event_plane="local")
-FAST = HealthCheckConfig(enabled=True, canary_wait_s=0.05, request_timeout_s=1.0)
+# a generous timeout: a passing canary on a starved CI machine must not time out
+FAST = HealthCheckConfig(enabled=True, canary_wait_s=0.05, request_timeout_s=10.0)
 
 
 def _parsed(argv: list[str]) -> HealthCheckConfig:

@@ -92,3 +92,29 @@ def test_approximate_mode_uses_the_injected_clock() -> None:
     core.free("b")
     now[0] = 11.0  # past the TTL: forgotten
     assert core.approx is not None and core.approx.find_matches(local) == {}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_column_same_with_or_without_the_key_index(seed: int) -> None:
+    """The choice over every target places each matched rank's blocks by its key's index; over
+    a subset (``allowed``) it looks each target up: the same costs either way, and a match on a
+    rank that is not a target (or not a rank at all) is ignored."""
+    rng = random.Random(seed)
+    core = RoutingCore(BS, KVRouterSettings(), rng=random.Random(seed))
+    ids = list(range(1, 9))
+    for wid in ids:
+        core.add_worker(WorkerSpec(wid, 0, 1, total_kv_blocks=100))
+    core.remove_worker(3)  # the index follows membership
+    local = local_block_hashes(list(range(40)), BS)
+    for k in range(30):
+        overlaps = {
+            (rng.choice(ids + [99]), rng.choice([0, 0, 1])): rng.randrange(1, 11) for _ in range(3)
+        }
+        every = core.route(f"a{k}", local, 40, overlaps=overlaps, record=False)
+        subset = core.route(
+            f"b{k}", local, 40, overlaps=overlaps, record=False, allowed=set(ids) - {3}
+        )
+        assert every.scored == subset.scored
+        assert every.scores == subset.scores
+        want = overlaps.get((every.worker_id, every.dp_rank), 0)
+        assert every.overlap_blocks == want

@@ -1,0 +1,562 @@
+/*
+ * dynamo.replay._loop: the replay's event loop in C, the fast path of ``Simulation._phase``.
+ *
+ * ``run(sim, queue, timeouts, counter, wake, deliver)`` runs one phase to its end and returns
+ * the events it processed. It is ``Simulation._phase``'s loop with ``_pass_start`` and
+ * ``_pass_end`` (simulator.py, the reference: ``DYN_NATIVE=0`` and a missing build run that
+ * Python) step for step: the same calls on the collaborators in the same order, so the same
+ * records, routing and counters. What is not a pass stays in Python and is called back: a send
+ * (``wake(runner)``), a request deadline (``sim._time_out``), the finished requests of a pass
+ * (``sim._retire``), the router queue's release (``sim._release_held``); the engine pass itself
+ * is ``MockerScheduler.step`` without its ``StepOutput``: ``sched.mock_pass`` (the kernel's
+ * tuple, kept in ``rank.raw`` until the pass end) timed here as ``TimingModel.pass_seconds``
+ * times it (the same float operations; tests/unit/replay/test_loop_native.py compares them
+ * bit for bit); the KV events go to ``core.apply_events``, the tokens to ``deliver``
+ * (``dynamo.replay.deliver``).
+ *
+ * Why native: at 100 workers a request costs ~22 passes of one token each, and the Python glue
+ * of a pass (the loop's dispatch, ``_pass_start``, ``_pass_end``) was a large share of the run
+ * (docs/performance.md, "Offline replay"); here it is a few attribute loads and calls.
+ *
+ * ``sim.now`` is set before anything runs at a new instant, as the Python loop does; the
+ * simulation's ``_events`` counter is the returned count (the caller stores it).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "../_slots.h"
+
+/* The event kinds and rank states (simulator.py's ``_SEND`` ..., pools.py's ``IDLE`` ...);
+ * the module exports them and a test holds them equal to the Python names. */
+enum { K_SEND = 0, K_PASS_END = 1, K_PASS_START = 2 };
+enum { R_IDLE = 0, R_SCHEDULED = 1, R_BUSY = 2 };
+
+/* The slotted dataclasses' fields it reads and writes, at their offsets (dynamo/_slots.h):
+ * pools.py's Rank and Pool, mocker/timing.py's TimingModel (read only: it is frozen). */
+static const char *const rank_fields[] = {"sched", "pool", "state", "raw", "passes", "worker_id"};
+static const char *const pool_fields[] = {"core", "role", "queue"};
+static const char *const timing_fields[] = {"speedup_ratio", "decode_speedup_ratio",
+                                            "total_kv_tokens"};
+enum { RK_SCHED, RK_POOL, RK_STATE, RK_RAW, RK_PASSES, RK_WORKER_ID };
+enum { PL_CORE, PL_ROLE, PL_QUEUE };
+enum { TM_SPEEDUP, TM_DECODE_SPEEDUP, TM_TOTAL_KV };
+static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields), pool_slots = DYN_SLOTS_OF(pool_fields),
+                timing_slots = DYN_SLOTS_OF(timing_fields);
+
+static PyObject *s_now, *s_next_ready_at, *s_push, *s_apply_events, *s_prefill_completed,
+    *s_request_id, *s_retire, *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft,
+    *s_done, *s_time_out, *s_mock_pass, *s_vocab_size, *s_excluded, *s_timing, *str_prefill,
+    *state_obj[3], *kind_obj[3], *one;
+
+/* The mocker's timing model (dynamo/mocker/timing.py: ``prefill_ms``, ``decode_ms``,
+ * ``TimingModel.pass_seconds``, the definition): its coefficients are read from that module. */
+static double P2, P1, P0, D2, D1, D0;
+static int timing_ready;
+
+typedef struct {
+    PyObject *sim, *queue, *timeouts, *counter, *wake, *deliver, *by_id;
+    PyObject *now; /* the current instant (strong) */
+    long long events;
+} Loop;
+
+/* obj.name(args...) with a vectorcall; a new reference or NULL. */
+static PyObject *
+call_method(PyObject *obj, PyObject *name, PyObject *const *args, size_t n)
+{
+    PyObject *argv[6];
+    argv[0] = obj;
+    for (size_t i = 0; i < n; i++)
+        argv[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, argv, (n + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Calls whose result is not needed: 0, or -1 with an exception. */
+static int
+done(PyObject *result)
+{
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int
+set_now(Loop *L, PyObject *when)
+{
+    Py_SETREF(L->now, Py_NewRef(when));
+    return PyObject_SetAttr(L->sim, s_now, when);
+}
+
+/* The truth of ``obj.name``: 1, 0 or -1. */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* queue.push(when, kind, order, rank) (``order`` stolen). */
+static int
+push(Loop *L, PyObject *when, int kind, PyObject *order, PyObject *rank)
+{
+    if (order == NULL)
+        return -1;
+    PyObject *args[4] = {when, kind_obj[kind], order, rank};
+    int rc = done(call_method(L->queue, s_push, args, 4));
+    Py_DECREF(order);
+    return rc;
+}
+
+static int
+attr_double(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* A TimingModel's field as a double (its slot, or getattr for another class). */
+static int
+timing_field(PyObject *timing, int f, double *out)
+{
+    PyObject *v = dyn_slots_get(&timing_slots, timing, f);
+    if (v == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+ensure_timing(void)
+{
+    if (timing_ready)
+        return 0;
+    PyObject *m = PyImport_ImportModule("dynamo.mocker.timing");
+    if (m == NULL)
+        return -1;
+    PyObject *names[6];
+    const char *const texts[6] = {"_P2", "_P1", "_P0", "_D2", "_D1", "_D0"};
+    double *const slots[6] = {&P2, &P1, &P0, &D2, &D1, &D0};
+    int rc = 0;
+    for (int k = 0; k < 6 && rc == 0; k++) {
+        names[k] = PyUnicode_FromString(texts[k]);
+        rc = names[k] == NULL ? -1 : attr_double(m, names[k], slots[k]);
+        Py_XDECREF(names[k]);
+    }
+    Py_DECREF(m);
+    if (rc == 0)
+        timing_ready = 1;
+    return rc;
+}
+
+/* ``timing.pass_seconds(prefill, context, decodes)`` of a ``TimingModel``: the same float
+ * operations in the same order (the counts are exact as doubles below 2**53, as Python's
+ * int / int and float() of them are). NULL with an exception on a bad argument. */
+static PyObject *
+timed(PyObject *timing, PyObject *prefill, PyObject *context, PyObject *decodes)
+{
+    double speedup, decode_speedup, total_kv;
+    if (ensure_timing() < 0 || timing_field(timing, TM_SPEEDUP, &speedup) < 0)
+        return NULL;
+    if (speedup == 0)
+        return PyFloat_FromDouble(0.0);
+    long long n = PyLong_AsLongLong(prefill);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    long long k = PyLong_AsLongLong(decodes);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    double total = 0.0; /* prefill_ms */
+    if (n > 0) {
+        double t = (double)n;
+        total = P2 * t * t + P1 * t + P0;
+    }
+    if (k > 0) { /* decode_ms / decode_speedup_ratio */
+        long long active = PyLong_AsLongLong(context);
+        if ((active == -1 && PyErr_Occurred()) ||
+            timing_field(timing, TM_DECODE_SPEEDUP, &decode_speedup) < 0 ||
+            timing_field(timing, TM_TOTAL_KV, &total_kv) < 0)
+            return NULL;
+        double u = total_kv > 0 ? (double)active / total_kv : 1.0;
+        double d = D2 * u * u + D1 * u + D0;
+        total += (d > 1.0 ? d : 1.0) / decode_speedup;
+    }
+    return PyFloat_FromDouble(total / speedup / 1000.0);
+}
+
+/* ``_pass_start``: the rank's next pass (``MockerScheduler.step`` without its ``StepOutput``:
+ * the kernel's 7-tuple is kept in ``rank.raw``, timed here), or it goes idle. */
+static int
+pass_start(Loop *L, PyObject *rank)
+{
+    int rc = -1;
+    PyObject *sched = dyn_slots_get(&rank_slots, rank, RK_SCHED), *out = NULL, *ready = NULL;
+    PyObject *passes = NULL, *when = NULL, *duration = NULL, *vocab = NULL, *excluded = NULL;
+    PyObject *timing = NULL;
+    if (sched == NULL || (vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
+        (excluded = PyObject_GetAttr(sched, s_excluded)) == NULL)
+        goto end;
+    PyObject *args[3] = {L->now, vocab, excluded};
+    if ((out = call_method(sched, s_mock_pass, args, 3)) == NULL)
+        goto end;
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
+        PyErr_SetString(PyExc_TypeError, "mock_pass returns a 7-tuple");
+        goto end;
+    }
+    /* (preempted, num_prefill_tokens, num_decodes, decode_context_tokens, tokens, finished,
+     *  events); empty (``StepOutput.is_empty``): no prefill token and no decode */
+    PyObject *prefill = PyTuple_GET_ITEM(out, 1), *decodes = PyTuple_GET_ITEM(out, 2);
+    int no_prefill = PyObject_RichCompareBool(prefill, kind_obj[0], Py_EQ);
+    int no_decode =
+        no_prefill <= 0 ? no_prefill : PyObject_RichCompareBool(decodes, kind_obj[0], Py_EQ);
+    if (no_prefill < 0 || no_decode < 0)
+        goto end;
+    if (no_prefill && no_decode) {
+        if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_IDLE]) < 0 ||
+            (ready = call_method(sched, s_next_ready_at, NULL, 0)) == NULL)
+            goto end;
+        if (ready != Py_None) { /* every runnable request waits for its KV transfer */
+            int later = PyObject_RichCompareBool(L->now, ready, Py_GT); /* max(ready, now) */
+            if (later < 0 || dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_SCHEDULED]) < 0 ||
+                push(L, later ? L->now : ready, K_PASS_START, PyIter_Next(L->counter), rank) <
+                    0)
+                goto end;
+        }
+        rc = 0;
+        goto end;
+    }
+    if ((timing = PyObject_GetAttr(sched, s_timing)) == NULL ||
+        (duration = timed(timing, prefill, PyTuple_GET_ITEM(out, 3), decodes)) == NULL ||
+        (passes = dyn_slots_get(&rank_slots, rank, RK_PASSES)) == NULL)
+        goto end;
+    Py_SETREF(passes, PyNumber_Add(passes, one));
+    if (passes == NULL || dyn_slots_put(&rank_slots, rank, RK_PASSES, passes) < 0 ||
+        dyn_slots_put(&rank_slots, rank, RK_RAW, out) < 0 ||
+        dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_BUSY]) < 0 ||
+        (when = PyNumber_Add(L->now, duration)) == NULL)
+        goto end;
+    rc = push(L, when, K_PASS_END, PyIter_Next(L->counter), rank);
+end:
+    Py_XDECREF(sched);
+    Py_XDECREF(out);
+    Py_XDECREF(ready);
+    Py_XDECREF(passes);
+    Py_XDECREF(when);
+    Py_XDECREF(duration);
+    Py_XDECREF(vocab);
+    Py_XDECREF(excluded);
+    Py_XDECREF(timing);
+    return rc;
+}
+
+/* The module-level ``pass_seconds(timing, prefill, context, decodes)``: the C timing, for the
+ * test that holds it to ``TimingModel.pass_seconds`` bit for bit. */
+static PyObject *
+pass_seconds(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "pass_seconds(timing, prefill, context, decodes)");
+        return NULL;
+    }
+    return timed(args[0], args[1], args[2], args[3]);
+}
+
+/* The tokens of the pass: ``deliver``, then the router's prefill-completed of each first. */
+static int
+tokens_of(Loop *L, PyObject *tokens, PyObject *core)
+{
+    PyObject *args[3] = {tokens, L->by_id, L->now};
+    PyObject *firsts = PyObject_Vectorcall(L->deliver, args, 3, NULL);
+    if (firsts == NULL)
+        return -1;
+    int rc = 0;
+    if (firsts != Py_None && core != Py_None) {
+        PyObject *it = PyObject_GetIter(firsts), *flight;
+        if (it == NULL)
+            rc = -1;
+        while (rc == 0 && it != NULL && (flight = PyIter_Next(it)) != NULL) {
+            PyObject *rid = PyObject_GetAttr(flight, s_request_id);
+            Py_DECREF(flight);
+            rc = rid == NULL ? -1 : done(call_method(core, s_prefill_completed, &rid, 1));
+            Py_XDECREF(rid);
+        }
+        if (rc == 0 && PyErr_Occurred())
+            rc = -1;
+        Py_XDECREF(it);
+    }
+    Py_DECREF(firsts);
+    return rc;
+}
+
+/* ``_pass_end``: the pass's outcome, then the rank's next pass (inline when nothing else is
+ * due at this instant). */
+static int
+pass_end(Loop *L, PyObject *rank)
+{
+    int rc = -1;
+    PyObject *out = dyn_slots_get(&rank_slots, rank, RK_RAW), *pool = NULL, *core = NULL;
+    PyObject *role = NULL, *held_queue = NULL, *sched = NULL, *order = NULL;
+    if (out == NULL || dyn_slots_put(&rank_slots, rank, RK_RAW, Py_None) < 0)
+        goto end;
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
+        PyErr_SetString(PyExc_TypeError, "a running pass is mock_pass's 7-tuple");
+        goto end;
+    }
+    PyObject *tokens = PyTuple_GET_ITEM(out, 4), *finished = PyTuple_GET_ITEM(out, 5);
+    PyObject *events = PyTuple_GET_ITEM(out, 6);
+    if ((pool = dyn_slots_get(&rank_slots, rank, RK_POOL)) == NULL ||
+        (core = dyn_slots_get(&pool_slots, pool, PL_CORE)) == NULL)
+        goto end;
+    if (core != Py_None) {
+        int any = PyObject_IsTrue(events);
+        if (any < 0)
+            goto end;
+        if (any) {
+            PyObject *wid = dyn_slots_get(&rank_slots, rank, RK_WORKER_ID);
+            if (wid == NULL)
+                goto end;
+            PyObject *args[2] = {wid, events};
+            int r = done(call_method(core, s_apply_events, args, 2));
+            Py_DECREF(wid);
+            if (r < 0)
+                goto end;
+        }
+    }
+    if ((role = dyn_slots_get(&pool_slots, pool, PL_ROLE)) == NULL)
+        goto end;
+    int prefill_pool = PyObject_RichCompareBool(role, str_prefill, Py_EQ);
+    if (prefill_pool < 0 || (!prefill_pool && tokens_of(L, tokens, core) < 0))
+        goto end;
+    int any_finished = PyObject_IsTrue(finished);
+    if (any_finished < 0)
+        goto end;
+    if (any_finished) {
+        PyObject *args[2] = {rank, finished};
+        if (done(call_method(L->sim, s_retire, args, 2)) < 0)
+            goto end;
+    }
+    if ((held_queue = dyn_slots_get(&pool_slots, pool, PL_QUEUE)) == NULL)
+        goto end;
+    int held = 0;
+    if (held_queue != Py_None && !prefill_pool) {
+        Py_ssize_t n = PyObject_Length(held_queue);
+        if (n < 0)
+            goto end;
+        held = n > 0;
+    }
+    if ((sched = dyn_slots_get(&rank_slots, rank, RK_SCHED)) == NULL)
+        goto end;
+    int work = attr_true(sched, s_has_work);
+    if (work < 0)
+        goto end;
+    if (!work) {
+        if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_IDLE]) < 0 ||
+            (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
+            goto end;
+        rc = 0;
+        goto end;
+    }
+    /* The next pass starts now, after every arrival and pass end of this instant and after the
+     * pass starts already due (its place in the FIFO is taken here, as a push would). */
+    if (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_SCHEDULED]) < 0 ||
+        (order = PyIter_Next(L->counter)) == NULL ||
+        (held && done(call_method(L->sim, s_release_held, NULL, 0)) < 0))
+        goto end;
+    PyObject *next = call_method(L->queue, s_next_when, NULL, 0);
+    if (next == NULL)
+        goto end;
+    int due = PyObject_RichCompareBool(next, L->now, Py_LE);
+    Py_DECREF(next);
+    if (due < 0)
+        goto end;
+    if (due) { /* more is due at this instant: the pass waits its turn */
+        rc = push(L, L->now, K_PASS_START, order, rank);
+        order = NULL;
+    }
+    else { /* nothing else is due now: the pop would be the very next event */
+        L->events++;
+        rc = pass_start(L, rank);
+    }
+end:
+    Py_XDECREF(out);
+    Py_XDECREF(pool);
+    Py_XDECREF(core);
+    Py_XDECREF(role);
+    Py_XDECREF(held_queue);
+    Py_XDECREF(sched);
+    Py_XDECREF(order);
+    return rc;
+}
+
+/* A request deadline due before the next event: 1 if one was handled, 0 if none, -1. */
+static int
+deadline(Loop *L)
+{
+    Py_ssize_t n = PyObject_Length(L->timeouts);
+    if (n <= 0)
+        return n < 0 ? -1 : 0;
+    PyObject *head = PySequence_GetItem(L->timeouts, 0);
+    if (head == NULL)
+        return -1;
+    PyObject *when = PySequence_GetItem(head, 0);
+    Py_DECREF(head);
+    if (when == NULL)
+        return -1;
+    PyObject *next = call_method(L->queue, s_next_when, NULL, 0);
+    int before = next == NULL ? -1 : PyObject_RichCompareBool(when, next, Py_LT);
+    Py_DECREF(when);
+    Py_XDECREF(next);
+    if (before <= 0)
+        return before;
+    PyObject *item = call_method(L->timeouts, s_popleft, NULL, 0);
+    if (item == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *flight = NULL;
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+        PyErr_SetString(PyExc_TypeError, "a deadline is a (when, flight) pair");
+        goto end;
+    }
+    flight = PyTuple_GET_ITEM(item, 1);
+    int finished = attr_true(flight, s_done);
+    if (finished < 0)
+        goto end;
+    if (!finished && (set_now(L, PyTuple_GET_ITEM(item, 0)) < 0 ||
+                      done(call_method(L->sim, s_time_out, &flight, 1)) < 0))
+        goto end;
+    rc = 1;
+end:
+    Py_DECREF(item);
+    return rc;
+}
+
+static int
+dispatch(Loop *L)
+{
+    PyObject *event = call_method(L->queue, s_pop, NULL, 0);
+    if (event == NULL)
+        return -1;
+    int rc = -1;
+    if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) != 3) {
+        PyErr_SetString(PyExc_TypeError, "an event is a (when, kind, payload) triple");
+        goto end;
+    }
+    if (set_now(L, PyTuple_GET_ITEM(event, 0)) < 0)
+        goto end;
+    L->events++;
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(event, 1));
+    if (kind == -1 && PyErr_Occurred())
+        goto end;
+    PyObject *payload = PyTuple_GET_ITEM(event, 2);
+    if (kind == K_PASS_END)
+        rc = pass_end(L, payload);
+    else if (kind == K_PASS_START)
+        rc = pass_start(L, payload);
+    else
+        rc = done(PyObject_CallOneArg(L->wake, payload));
+end:
+    Py_DECREF(event);
+    return rc;
+}
+
+static PyObject *
+run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "run(sim, queue, timeouts, counter, wake, deliver)");
+        return NULL;
+    }
+    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0};
+    if ((L.by_id = PyObject_GetAttrString(L.sim, "_by_id")) == NULL)
+        return NULL;
+    if ((L.now = PyObject_GetAttr(L.sim, s_now)) == NULL) {
+        Py_DECREF(L.by_id);
+        return NULL;
+    }
+    int rc = 0;
+    for (;;) {
+        Py_ssize_t queued = PyObject_Length(L.queue), waiting = PyObject_Length(L.timeouts);
+        if (queued < 0 || waiting < 0) {
+            rc = -1;
+            break;
+        }
+        if (queued == 0 && waiting == 0)
+            break;
+        int r = deadline(&L);
+        if (r == 0)
+            r = dispatch(&L);
+        if (r < 0) {
+            rc = -1;
+            break;
+        }
+    }
+    Py_DECREF(L.by_id);
+    Py_DECREF(L.now);
+    return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
+}
+
+static PyMethodDef methods[] = {
+    {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
+     "run(sim, queue, timeouts, counter, wake, deliver): one phase of the replay's event loop "
+     "to its end; the events processed."},
+    {"pass_seconds", (PyCFunction)(void (*)(void))pass_seconds, METH_FASTCALL,
+     "pass_seconds(timing, prefill, context, decodes): TimingModel.pass_seconds in C."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "dynamo.replay._loop",
+    "The replay's event loop (the fast path of Simulation._phase).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+static int
+intern(PyObject **slot, const char *text)
+{
+    return (*slot = PyUnicode_InternFromString(text)) == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC
+PyInit__loop(void)
+{
+    if (intern(&s_now, "now") || intern(&s_next_ready_at, "next_ready_at") ||
+        intern(&s_push, "push") || intern(&s_apply_events, "apply_events") ||
+        intern(&s_prefill_completed, "prefill_completed") ||
+        intern(&s_request_id, "request_id") || intern(&s_retire, "_retire") ||
+        intern(&s_has_work, "has_work") || intern(&s_release_held, "_release_held") ||
+        intern(&s_next_when, "next_when") || intern(&s_pop, "pop") ||
+        intern(&s_popleft, "popleft") || intern(&s_done, "done") ||
+        intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill") ||
+        intern(&s_mock_pass, "mock_pass") || intern(&s_vocab_size, "_vocab_size") ||
+        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing"))
+        return NULL;
+    if (dyn_slots_init(&rank_slots) < 0 || dyn_slots_init(&pool_slots) < 0 ||
+        dyn_slots_init(&timing_slots) < 0)
+        return NULL;
+    for (int k = 0; k < 3; k++)
+        if ((state_obj[k] = PyLong_FromLong(k)) == NULL || (kind_obj[k] = PyLong_FromLong(k)) == NULL)
+            return NULL;
+    if ((one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "SEND", K_SEND) < 0 ||
+        PyModule_AddIntConstant(m, "PASS_END", K_PASS_END) < 0 ||
+        PyModule_AddIntConstant(m, "PASS_START", K_PASS_START) < 0 ||
+        PyModule_AddIntConstant(m, "IDLE", R_IDLE) < 0 ||
+        PyModule_AddIntConstant(m, "SCHEDULED", R_SCHEDULED) < 0 ||
+        PyModule_AddIntConstant(m, "BUSY", R_BUSY) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,30 @@
+"""Type stub of the native module ``dynamo.replay._loop`` (source: ``_loop.c``): the fast path
+of ``Simulation._phase`` (``dynamo.native.load_optional``; the Python loop in simulator.py is
+the reference, run with ``DYN_NATIVE=0`` or without the build)."""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+SEND: int
+PASS_END: int
+PASS_START: int
+IDLE: int
+SCHEDULED: int
+BUSY: int
+
+def run(
+    sim: Any,
+    queue: Any,
+    timeouts: Any,
+    counter: Iterator[int],
+    wake: Callable[[Any], None],
+    deliver: Callable[[list[tuple[Any, int]], dict[str, Any], float], list[Any] | None],
+) -> int:
+    """Run ``sim``'s phase to its end (the queue and the deadlines empty) exactly as
+    ``Simulation._phase``'s loop with ``_pass_start`` / ``_pass_end`` does, setting ``sim.now``
+    at each instant; returns the events processed. An exception from a callback propagates
+    (the loop stops there)."""
+
+def pass_seconds(timing: Any, prefill: int, context: int, decodes: int) -> float:
+    """``timing.pass_seconds(prefill, context, decodes)`` of a ``TimingModel`` as the loop
+    computes it in C (the same float; exposed for the test that compares them)."""

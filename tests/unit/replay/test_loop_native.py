@@ -1,0 +1,180 @@
+"""replay/_loop.c (the event loop, ``_pass_start`` and ``_pass_end`` in C) against the Python
+loop it follows (``Simulation._phase``): the same records, routing, simulated time, event and
+pass counts on random deployments of every kind the loop branches on (kv / round-robin, DP
+ranks, xPyD, the router queue, request timeouts, a warm-up, speedup 0), errors raised by a
+callback come out of ``run`` unchanged, and nothing it touched is left referenced."""
+
+from __future__ import annotations
+
+import random
+import sys
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+
+from dynamo.bench.benchmark import build_workload
+from dynamo.bench.config import BenchConfig
+from dynamo.frontend.disagg import DisaggSettings
+from dynamo.mocker.config import MockerConfig
+from dynamo.mocker.timing import TimingModel
+from dynamo.replay import pools, simulator
+from dynamo.replay.deployment import Deployment
+from dynamo.replay.report import routing_rows
+from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
+from dynamo.router.config import KVRouterSettings
+
+
+@pytest.fixture(scope="module")
+def native() -> ModuleType:
+    return pytest.importorskip("dynamo.replay._loop")
+
+
+def _random_case(seed: int) -> tuple[BenchConfig, Deployment]:
+    rng = random.Random(seed)
+    engine = MockerConfig(
+        num_gpu_blocks=rng.choice([96, 256, 512]),
+        block_size=rng.choice([16, 32]),
+        speedup_ratio=rng.choice([1.0, 1.0, 4.0, 0.0]),
+        data_parallel_size=rng.choice([1, 1, 2]),
+        max_num_batched_tokens=rng.choice([512, 2048, 8192]),
+    )
+    bench: dict[str, Any] = {
+        "url": "replay:",
+        "workload": "prefix",
+        "prefix_groups": rng.choice([2, 4, 8]),
+        "prefix_len": rng.choice([64, 256, 700]),
+        "suffix_len": rng.choice([16, 64]),
+        "osl": rng.choice([4, 16, 40]),
+        "num_requests": rng.choice([40, 80]),
+        "seed": seed,
+    }
+    if rng.random() < 0.4:
+        bench["rate"] = rng.choice([50.0, 300.0])
+        bench["max_concurrency"] = rng.choice([None, 6])
+    else:
+        bench["concurrency"] = rng.choice([4, 16])
+    if seed % 3 == 0:
+        bench["request_timeout_s"] = rng.choice([0.4, 0.8, 1.5])
+    if rng.random() < 0.2:
+        bench["warmup"] = 10
+        bench["isl"] = 200
+    kind = ("kv", "round-robin", "disagg", "queue")[seed % 4]
+    if kind == "disagg":
+        deployment = Deployment(
+            2,
+            "kv",
+            engine=engine,
+            prefill_workers=rng.choice([1, 3]),
+            disagg=DisaggSettings(max_local_prefill_length=rng.choice([32, 300])),
+        )
+    elif kind == "queue":  # an open loop past the workers' capacity: requests wait, some fail
+        bench.update(rate=300.0, prefix_len=1500, max_concurrency=None)
+        kv = KVRouterSettings(
+            queue_threshold=0.3, queue_policy=rng.choice(["fcfs", "wspt"]), queue_max_requests=5
+        )
+        deployment = Deployment(3, "kv", kv=kv, engine=engine)
+    else:
+        deployment = Deployment(rng.choice([1, 3, 5]), kind, engine=engine)
+    return BenchConfig(**bench), deployment
+
+
+def _outcome(bench: BenchConfig, deployment: Deployment) -> tuple[Any, ...]:
+    result = run_replay(bench, deployment, plots=False)
+    sim = result.simulation
+    return (
+        [msgspec.json.encode(r) for r in result.records],
+        [msgspec.json.encode(row) for row in routing_rows(result.flights)],
+        sim.simulated_s,
+        sim.events,
+        sim.passes,
+        sim.per_rank_passes,
+        sim.warmup_s,
+    )
+
+
+def test_constants_are_the_simulators(native: ModuleType) -> None:
+    kinds = (simulator._SEND, simulator._PASS_END, simulator._PASS_START)
+    assert (native.SEND, native.PASS_END, native.PASS_START) == kinds
+    assert (native.IDLE, native.SCHEDULED, native.BUSY) == (
+        pools.IDLE,
+        pools.SCHEDULED,
+        pools.BUSY,
+    )
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_same_outcome_as_the_python_loop(
+    native: ModuleType, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench, deployment = _random_case(seed)
+    monkeypatch.setattr(simulator, "_native_loop", native)
+    fast = _outcome(bench, deployment)
+    monkeypatch.setattr(simulator, "_native_loop", None)
+    assert _outcome(bench, deployment) == fast
+    assert fast[3] > 0
+
+
+def test_a_callbacks_error_comes_out(native: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(simulator, "_native_loop", native)
+
+    def broken(self: simulator.Simulation, rank: Any, finished: Any) -> None:
+        raise RuntimeError("retire failed")
+
+    monkeypatch.setattr(simulator.Simulation, "_retire", broken)
+    bench, deployment = _random_case(0)
+    with pytest.raises(RuntimeError, match="retire failed"):
+        run_replay(bench, deployment, plots=False)
+
+
+def test_bad_arguments(native: ModuleType) -> None:
+    with pytest.raises(TypeError):
+        native.run(1, 2, 3)
+    with pytest.raises(AttributeError):
+        native.run(object(), [], [], iter([]), print, print)
+
+
+def _refcounts_after_a_run(loop: ModuleType | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    monkeypatch.setattr(simulator, "_native_loop", loop)
+    bench, deployment = _random_case(1)
+    model, builder = prompt_builder(None)
+    deployment = with_model_vocabulary(deployment, model)
+    sessions = build_workload(bench, builder).sessions()
+    sim = simulator.Simulation(deployment, sessions, load_spec(bench))
+    sim.run()
+    ranks = list(sim.decode_pool.ranks.values())
+    flights = sim.flights
+    return [
+        sys.getrefcount(sim),
+        sys.getrefcount(sim.now),
+        *(sys.getrefcount(r) for r in ranks),
+        *(sys.getrefcount(f) for f in flights),
+        *(sys.getrefcount(f.record) for f in flights),
+    ]
+
+
+def test_no_reference_left(native: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a run, the simulation, its ranks, its flights and records and the last instant are
+    referenced exactly as after the Python loop's run (nothing kept or lost in C)."""
+    fast = _refcounts_after_a_run(native, monkeypatch)
+    assert fast == _refcounts_after_a_run(None, monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pass_timing_is_the_timing_models_bit_for_bit(native: ModuleType, seed: int) -> None:
+    """The loop times a pass itself (no ``StepOutput``): the same float as
+    ``TimingModel.pass_seconds`` for random batches, speedups (0 included) and pools."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        timing = TimingModel(
+            total_kv_tokens=rng.choice([0, 16, 8192, rng.randrange(1, 10**7)]),
+            speedup_ratio=rng.choice([0.0, 1.0, 2.5, rng.random() * 10]),
+            decode_speedup_ratio=rng.choice([1.0, 0.5, rng.random() * 4 + 0.01]),
+        )
+        prefill = rng.choice([0, 1, rng.randrange(1, 70_000)])
+        context = rng.choice([0, rng.randrange(0, 10**7)])
+        decodes = rng.choice([0, 1, rng.randrange(1, 1024)])
+        want = timing.pass_seconds(prefill, context, decodes)
+        got = native.pass_seconds(timing, prefill, context, decodes)
+        assert type(got) is float and got.hex() == want.hex()
