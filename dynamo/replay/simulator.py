@@ -60,7 +60,7 @@ from dynamo.replay.pools import (
     RoutingRecord,
     build_pool,
 )
-from dynamo.router.hashing import local_block_hashes, sequence_hashes
+from dynamo.router.hashing import prompt_hashes
 from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
 
@@ -254,8 +254,7 @@ class Simulation:
         self._by_id[flight.request_id] = flight
         if load.load.timeout_s is not None:
             self._timeouts.append((now + load.load.timeout_s, flight))
-        local = local_block_hashes(prompt, self._hash_size)
-        hashes = (local, sequence_hashes(local))
+        hashes = prompt_hashes(prompt, self._hash_size)
         pool = self.decode_pool
         if pool.queue is not None and (len(pool.queue) or pool.core_saturated()):
             self._hold(flight, hashes)

@@ -23,12 +23,30 @@
 
 #define SEQUENCE_SEED 1337ULL /* router.hashing.XXH3_SEED */
 
+/* A token id: an exact int of at most one 30-bit digit is read from its digit (CPython 3.11's
+ * layout: every id below 2**30, i.e. every vocabulary); anything else through the API, which
+ * gives the same value for such an int. */
+static inline unsigned long
+token_id(PyObject *obj)
+{
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    if (PyLong_CheckExact(obj)) {
+        Py_ssize_t size = Py_SIZE(obj);
+        if (size == 0)
+            return 0;
+        if (size == 1)
+            return ((PyLongObject *)obj)->ob_digit[0];
+    }
+#endif
+    return PyLong_AsUnsignedLong(obj);
+}
+
 /* Convert tokens[0..n) to u32 little-endian bytes; array('I') semantics for bad ids. */
 static int
 token_bytes(PyObject *const *items, Py_ssize_t n, unsigned char *out)
 {
     for (Py_ssize_t k = 0; k < n; k++) {
-        unsigned long t = PyLong_AsUnsignedLong(items[k]);
+        unsigned long t = token_id(items[k]);
         if (t == (unsigned long)-1 && PyErr_Occurred())
             return -1;
         if (t > 0xFFFFFFFFUL) {
@@ -61,26 +79,27 @@ chain(uint64_t parent, uint64_t local)
     return XXH3_64bits_withSeed(pair, 16, SEQUENCE_SEED);
 }
 
+/* The local hashes of (tokens, block_size, seed) and, when ``chained`` is not NULL, their
+ * sequence hashes into *chained (computed from the same u64 values: no conversion back). */
 static PyObject *
-local_block_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+block_hashes(PyObject *const *args, PyObject **chained)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "local_block_hashes(tokens, block_size, seed)");
-        return NULL;
-    }
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
     uint64_t seed;
     if ((block_size == -1 && PyErr_Occurred()) || as_u64(args[2], &seed) < 0)
         return NULL;
-    if (block_size <= 0)
+    if (block_size <= 0) {
+        if (chained != NULL && (*chained = PyList_New(0)) == NULL)
+            return NULL;
         return PyList_New(0);
+    }
     PyObject *seq = PySequence_Fast(args[0], "tokens must be a sequence of ints");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t blocks = n / block_size;
-    PyObject *out = NULL;
+    PyObject *out = NULL, *chain_out = NULL;
     /* every token is converted, the tail too: a bad id fails as array('I') would */
     unsigned char *buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1);
     if (buf == NULL) {
@@ -91,19 +110,62 @@ local_block_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if ((out = PyList_New(blocks)) == NULL)
         goto done;
+    if (chained != NULL && (chain_out = PyList_New(blocks)) == NULL)
+        goto fail;
     size_t width = (size_t)block_size * 4;
+    uint64_t prev = 0;
     for (Py_ssize_t i = 0; i < blocks; i++) {
-        PyObject *h = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(buf + i * width, width, seed));
-        if (h == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
+        uint64_t local = XXH3_64bits_withSeed(buf + i * width, width, seed);
+        PyObject *h = PyLong_FromUnsignedLongLong(local);
+        if (h == NULL)
+            goto fail;
         PyList_SET_ITEM(out, i, h);
+        if (chain_out == NULL)
+            continue;
+        /* the first sequence hash is the first local hash itself */
+        prev = i == 0 ? local : chain(prev, local);
+        PyObject *c = i == 0 ? Py_NewRef(h) : PyLong_FromUnsignedLongLong(prev);
+        if (c == NULL)
+            goto fail;
+        PyList_SET_ITEM(chain_out, i, c);
     }
+    if (chained != NULL)
+        *chained = chain_out;
 done:
     PyMem_Free(buf);
     Py_DECREF(seq);
     return out;
+fail:
+    Py_CLEAR(out);
+    Py_CLEAR(chain_out);
+    goto done;
+}
+
+static PyObject *
+local_block_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "local_block_hashes(tokens, block_size, seed)");
+        return NULL;
+    }
+    return block_hashes(args, NULL);
+}
+
+static PyObject *
+prompt_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prompt_hashes(tokens, block_size, seed)");
+        return NULL;
+    }
+    PyObject *chained = NULL;
+    PyObject *local = block_hashes(args, &chained);
+    if (local == NULL)
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, local, chained);
+    Py_DECREF(local);
+    Py_DECREF(chained);
+    return pair;
 }
 
 static PyObject *
@@ -181,6 +243,8 @@ next_sequence_hash(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef module_methods[] = {
     {"local_block_hashes", (PyCFunction)(void (*)(void))local_block_hashes, METH_FASTCALL,
      "local_block_hashes(tokens, block_size, seed): XXH3-64 of each complete block."},
+    {"prompt_hashes", (PyCFunction)(void (*)(void))prompt_hashes, METH_FASTCALL,
+     "prompt_hashes(tokens, block_size, seed): (local_block_hashes, their sequence hashes)."},
     {"sequence_hashes", (PyCFunction)sequence_hashes, METH_O,
      "sequence_hashes(local_hashes): the chained hashes."},
     {"block_hash", (PyCFunction)(void (*)(void))block_hash, METH_FASTCALL,

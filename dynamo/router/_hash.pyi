@@ -8,6 +8,10 @@ def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int) -> lis
     partial tail is dropped (but its ids are checked). ``[]`` for ``block_size <= 0``.
     OverflowError for an id outside [0, 2**32)."""
 
+def prompt_hashes(tokens: Sequence[int], block_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """``(local, sequence_hashes(local))`` for ``local = local_block_hashes(tokens, block_size,
+    seed)``, in one call (the chain from the same 64-bit values, not converted back)."""
+
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     """Chained hashes: ``seq[0] = local[0]``, ``seq[i] = next_sequence_hash(seq[i-1],
     local[i])``."""

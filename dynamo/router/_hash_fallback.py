@@ -31,6 +31,11 @@ def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int) -> lis
     return [_xxh3(data[i * step : (i + 1) * step], seed) for i in range(len(tokens) // block_size)]
 
 
+def prompt_hashes(tokens: Sequence[int], block_size: int, seed: int) -> tuple[list[int], list[int]]:
+    local = local_block_hashes(tokens, block_size, seed)
+    return local, sequence_hashes(local)
+
+
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     out: list[int] = []
     prev: int | None = None

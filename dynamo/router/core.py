@@ -142,7 +142,10 @@ class RoutingCore:
         routes but counts its load once.
         """
         targets = self._eligible(allowed, pinned_worker, dp_rank)
-        seqs = list(seq_hashes) if seq_hashes is not None else sequence_hashes(local_hashes)
+        if seq_hashes is None:
+            seqs = sequence_hashes(local_hashes)
+        else:  # read only here (what is kept is copied): a list is used as it is
+            seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
         if overlaps is None:
             overlaps = self.find_matches(local_hashes)
         if self.selector.has_busy_thresholds:  # filtering needs each candidate's whole load

@@ -24,17 +24,21 @@ XXH3_SEED = 1337
 _MASK64 = (1 << 64) - 1
 _xxh3 = xxhash.xxh3_64_intdigest
 
-_impl = native.load("dynamo.router._hash", "dynamo.router._hash_fallback")
+_impl = native.load(
+    "dynamo.router._hash", "dynamo.router._hash_fallback", requires=("prompt_hashes",)
+)
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.router._hash`` or ``dynamo.router._hash_fallback``)."""
 if TYPE_CHECKING:
     from dynamo.router._hash import block_hash as _block_hash
     from dynamo.router._hash import local_block_hashes as _plain_hashes
     from dynamo.router._hash import next_sequence_hash as _next
+    from dynamo.router._hash import prompt_hashes as _plain_pair
     from dynamo.router._hash import sequence_hashes as _chain
 else:
     _block_hash, _plain_hashes = _impl.block_hash, _impl.local_block_hashes
     _next, _chain = _impl.next_sequence_hash, _impl.sequence_hashes
+    _plain_pair = _impl.prompt_hashes
 
 
 def block_seed(lora_name: str | None = None, salt: str | None = None) -> int:
@@ -82,6 +86,17 @@ def local_block_hashes(
                 extra = b"".join(struct.pack("<Q", h & _MASK64) for h in sorted(mm))
                 out[i] = _xxh3(data[i * step : i * step + width] + extra, seed)
     return out
+
+
+def prompt_hashes(
+    tokens: Sequence[int], block_size: int, *, lora_name: str | None = None
+) -> tuple[list[int], list[int]]:
+    """``(local, sequence_hashes(local))`` of a plain prompt (no EAGLE window, no multimodal
+    hashes), ``local`` as :func:`local_block_hashes`; one native call (the offline replay
+    hashes every request so)."""
+    if block_size <= 0:
+        return [], []
+    return _plain_pair(tokens, block_size, block_seed(lora_name))
 
 
 def block_hash(tokens: Sequence[int], seed: int = XXH3_SEED) -> int:

@@ -61,3 +61,48 @@ def test_ids_outside_u32_are_refused_as_array_does(native: ModuleType, bad: int)
         native.local_block_hashes([1.5, 2], 2, 1337)
     with pytest.raises(TypeError):
         py.local_block_hashes([1.5, 2], 2, 1337)  # type: ignore[list-item]
+
+
+def test_prompt_hashes_are_the_local_and_chained_hashes(native: ModuleType) -> None:
+    rng = random.Random(7)
+    for n in (0, 1, 15, 16, 17, 1152, 1153):
+        for block_size in (1, 16, 64):
+            # ids of every width: one 30-bit digit (read from it), two digits, 0
+            tokens = [
+                rng.choice([0, rng.randrange(1 << 30), rng.randrange(1 << 32)]) for _ in range(n)
+            ]
+            seed = rng.choice([hashing.XXH3_SEED, rng.randrange(1 << 64)])
+            local = py.local_block_hashes(tokens, block_size, seed)
+            want = (local, py.sequence_hashes(local))
+            assert native.prompt_hashes(tokens, block_size, seed) == want
+            assert py.prompt_hashes(tokens, block_size, seed) == want
+            assert native.prompt_hashes(tuple(tokens), block_size, seed) == want
+    assert native.prompt_hashes([1, 2], 0, 1) == py.prompt_hashes([1, 2], 0, 1) == ([], [])
+    assert hashing.prompt_hashes([5] * 40, 16) == (
+        hashing.local_block_hashes([5] * 40, 16),
+        hashing.sequence_hashes(hashing.local_block_hashes([5] * 40, 16)),
+    )
+    assert hashing.prompt_hashes([5] * 40, 16, lora_name="a")[0] == hashing.local_block_hashes(
+        [5] * 40, 16, lora_name="a"
+    )
+
+
+def test_token_ids_read_the_same_whatever_their_form(native: ModuleType) -> None:
+    """An exact one-digit int is read from its digit; bools, int subclasses and wider ints go
+    through the API: the same bytes, the same errors."""
+
+    class Id(int):
+        pass
+
+    forms = [True, False, Id(7), (1 << 30) - 1, 1 << 30, (1 << 32) - 1, 0]
+    for module in (native, py):
+        assert module.prompt_hashes(forms, 1, 3) == native.prompt_hashes(
+            [int(x) for x in forms], 1, 3
+        )
+        for bad in (-1, -(1 << 40), 1 << 32):
+            with pytest.raises(OverflowError):
+                module.prompt_hashes([1, bad], 1, 3)
+    with pytest.raises(TypeError):
+        native.prompt_hashes([1, "2"], 1, 3)
+    with pytest.raises(TypeError):
+        native.prompt_hashes([1, 2], 1)
