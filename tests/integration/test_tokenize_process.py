@@ -62,7 +62,7 @@ async def test_concurrent_requests_are_tokenized_in_the_child_with_the_same_ids(
     assert encoder.jobs == 0
 
     # a long stream keeps another request in flight: every request below takes the batched path
-    long = {**body(CHAT, 99, True), "max_tokens": 400, "nvext": {"ignore_eos": True}}
+    long = {**body(CHAT, 99, True), "max_tokens": 4000, "nvext": {"ignore_eos": True}}
     async with client.stream("POST", CHAT, json=long) as held:
         assert held.status_code == 200
         lines = held.aiter_lines()
