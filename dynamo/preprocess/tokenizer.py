@@ -19,15 +19,17 @@ PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
 
 def serial_tokenization() -> None:
     """Encode every batch on the calling thread rather than on the library's thread pool, for the
-    rest of this process, unless the environment already says otherwise (``TOKENIZERS_PARALLELISM``
-    is the library's own switch, read at every call). Entry points of a frontend call it first.
+    rest of this process and of the children it starts afterwards (the tokenizer process,
+    ``encode_process.py``, inherits the variable), unless the environment already says otherwise
+    (``TOKENIZERS_PARALLELISM`` is the library's own switch, read at every call). Entry points of
+    a frontend call it first.
 
     Why: the pool (rayon) takes even a one-prompt batch to one of its threads and back, and its
-    idle threads spin with ``sched_yield`` before they sleep. The frontend's tokenizer thread
-    already runs beside the event loop (``encode_thread.py``), with one core's worth of prompts
-    (~5,000 a second) to spare; the pool only added CPU: at c=64 on the 2-core VM ~11 syscalls
-    a request (15.5k ``sched_yield`` and 7k ``futex`` calls per 2,000 requests) and ~5 % of the
-    frontend's CPU. Same token ids either way."""
+    idle threads spin with ``sched_yield`` before they sleep. The frontend's tokenizer process or
+    thread already runs beside the event loop (``encode_process.py``, ``encode_thread.py``),
+    with one core's worth of prompts (~5,000 a second) to spare; the pool only added CPU: at c=64
+    on the 2-core VM ~11 syscalls a request (15.5k ``sched_yield`` and 7k ``futex`` calls per
+    2,000 requests) and ~5 % of the frontend's CPU. Same token ids either way."""
     os.environ.setdefault(PARALLELISM_ENV, "false")
 
 
