@@ -3,9 +3,10 @@ with file discovery in a temporary directory, loaded by ``dynamo bench`` (a libr
 this process) with ISL 128 / OSL 64 chat requests at concurrency 1, 16, 64 and 256.
 
 Per level: req/s, TTFT p50/p99, and the CPU milliseconds per request of the frontend and of
-the mocker (``/proc``, all threads), plus the bench client's own CPU per request (it shares the
-machine, so it must stay small: its HTTP/SSE client is a lean asyncio protocol; httpx measured
-~5.6 ms of client CPU per 64-chunk stream on the 2-core VM, the lean client ~0.4-0.6 ms).
+the mocker (``/proc``, all threads, children included: the frontend's tokenizer process), plus
+the bench client's own CPU per request (it shares the machine, so it must stay small: its
+HTTP/SSE client is a lean asyncio protocol; httpx measured ~5.6 ms of client CPU per 64-chunk
+stream on the 2-core VM, the lean client ~0.4-0.6 ms).
 Column ``(loop)``: the part of the frontend's CPU spent on its main thread, ours the event loop
 that caps one frontend process at one core (the reference's HTTP runs on Rust threads: ~0).
 
@@ -65,7 +66,7 @@ from launcher import (  # noqa: E402
 
 from dynamo.bench import BenchConfig, run_benchmark  # noqa: E402
 from dynamo.bench.__main__ import run_loop  # noqa: E402
-from dynamo.bench.cpu import process_cpu_seconds  # noqa: E402
+from dynamo.bench.cpu import descendants, process_cpu_seconds  # noqa: E402
 
 GOAL_CPU_MS = 2.8
 GOAL_TTFT_P50_MS = 4.0
@@ -98,15 +99,16 @@ def run_level(
         output_dir=str(Path(args.out).parent / "stack" / f"c{c}") if args.reports else None,
     )
     frontend = pids["frontend"]
-    main_before, all_before = _main_thread_cpu(frontend), process_cpu_seconds(frontend)
+    main_before, all_before = _main_thread_cpu(frontend), _tree_cpu(frontend)
     summary = run_loop(run_benchmark(config)).summary
     main_used = _main_thread_cpu(frontend) - main_before
-    all_used = (process_cpu_seconds(frontend) or 0.0) - (all_before or 0.0)
+    all_used = _tree_cpu(frontend) - all_before
     done = summary["requests"]["completed"]
     per_pid = summary["server_cpu"]["per_pid_s"]
     cpu = {name: per_pid[str(pid)] * 1000 / max(done, 1) for name, pid in pids.items()}
     # The event loop's thread caps one frontend process at one core: its share of the frontend's
-    # CPU (warm-up included, as a ratio) times the measured CPU per request.
+    # CPU (warm-up included, as a ratio) times the measured CPU per request. The frontend's CPU
+    # (``server_cpu``) includes its children's, the tokenizer process's among them.
     loop_share = main_used / all_used if all_used > 0 else 0.0
     return {
         "concurrency": c,
@@ -123,6 +125,11 @@ def run_level(
         "client_cpu_ms_per_req": summary["client_cpu"]["cpu_ms_per_request"],
         "errors": summary["errors"],
     }
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live children (a child born later counts from 0)."""
+    return sum(process_cpu_seconds(p) or 0.0 for p in {pid} | descendants(pid))
 
 
 def _main_thread_cpu(pid: int) -> float:

@@ -92,7 +92,9 @@ class FrontendService:
             migration=self.migration,
             keep_alive_s=config.sse_keep_alive_s,
             admission=Admission(config.admission_factor),
-            offload=Offload(config.preprocess_threads, config.preprocess_queue),
+            offload=Offload(
+                config.preprocess_threads, config.preprocess_queue, tokenize_in=config.tokenize_in
+            ),
         )
         self.dashboard = Dashboard(self.registry, self.metrics, self._worker_loads)
         self.generate.observers.append(self.dashboard.observe)

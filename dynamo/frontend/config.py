@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from dynamo.frontend.disagg import DisaggSettings
+from dynamo.frontend.offload import TOKENIZE_IN
 from dynamo.router.config import KVRouterSettings
 from dynamo.runtime.config import RuntimeConfig, add_flag
 from dynamo.runtime.http_limits import HttpLimits
@@ -32,6 +33,7 @@ class FrontendConfig:
     admission_factor: float = 2.0
     preprocess_threads: int = 2
     preprocess_queue: int = 16
+    tokenize_in: str = "process"
     limits: HttpLimits = field(default_factory=HttpLimits)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     kv: KVRouterSettings = field(default_factory=KVRouterSettings)
@@ -46,6 +48,8 @@ class FrontendConfig:
             raise ValueError("overload status must be 503 or 529")
         if self.admission_factor < 0:
             raise ValueError("admission factor must be >= 0 (0 disables load shedding)")
+        if self.tokenize_in not in TOKENIZE_IN:
+            raise ValueError(f"tokenize in must be one of {TOKENIZE_IN}")
         if self.preprocess_threads < 1 or self.preprocess_queue < 1:
             raise ValueError("preprocess threads and queue must be at least 1")
         for name in ("first_response_timeout_s", "inter_chunk_timeout_s", "sse_keep_alive_s"):
@@ -180,6 +184,15 @@ class FrontendConfig:
             type=int,
             help="large requests preprocessed at once; more are refused with --overload-status",
         )
+        add_flag(
+            parser,
+            "--tokenize-in",
+            default=d.tokenize_in,
+            choices=TOKENIZE_IN,
+            help="where the prompts of concurrent requests are tokenized, in batches: a child "
+            "process (the event loop never waits for the GIL to get the ids back) or a thread "
+            "of the frontend; a request alone is tokenized on the event loop either way",
+        )
         HttpLimits.add_arguments(parser)
         RuntimeConfig.add_arguments(parser)
         KVRouterSettings.add_arguments(parser)
@@ -206,6 +219,7 @@ class FrontendConfig:
             admission_factor=args.admission_factor,
             preprocess_threads=args.preprocess_threads,
             preprocess_queue=args.preprocess_queue,
+            tokenize_in=args.tokenize_in,
             limits=HttpLimits.from_args(args),
             runtime=RuntimeConfig.from_args(args),
             kv=KVRouterSettings.from_args(args),

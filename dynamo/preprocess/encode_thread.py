@@ -9,7 +9,7 @@ matters under load: a busy event loop gives the GIL to another thread only every
 (5 ms), so a thread that took one prompt at a time would serve at most a few hundred a second;
 batches instead grow with the load.
 
-The thread runs under Linux's ``SCHED_BATCH`` policy (:func:`_batch_policy`): a batch thread that
+The thread runs under Linux's ``SCHED_BATCH`` policy (:func:`batch_policy`): a batch thread that
 wakes up never preempts the thread running on its core. A prompt's submission wakes this thread
 from the event loop's thread, which goes on holding the GIL; as an ordinary thread it often took
 the loop's core at once, only to block on the GIL the loop holds (two context switches and an
@@ -61,14 +61,25 @@ class EncodeThread:
         """The token ids of every prompt (in order), encoded on the thread. Raises what the
         tokenizer raised, or RuntimeError once closed. A cancelled caller's prompts are still
         encoded (the thread cannot be interrupted) and their result dropped."""
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self.submit(tokenizer, prompts, future)
+        return await future
+
+    def submit(
+        self,
+        tokenizer: Tokenizer,
+        prompts: Sequence[PromptText],
+        future: asyncio.Future[list[list[int]]],
+    ) -> None:
+        """Encode ``prompts`` on the thread and answer ``future`` (on its loop) with their ids or
+        the tokenizer's error; nothing if ``future`` is done by then. Raises RuntimeError once
+        closed. For callers that already hold a future (``encode_process.py``'s fallback)."""
         if self._closed:
             raise RuntimeError("the tokenizer thread is closed")
-        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
         self._jobs.put(_Job(tokenizer, prompts, future))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        return await future
 
     def close(self) -> None:
         """Stop the thread after the jobs already submitted (it does not wait for them)."""
@@ -78,7 +89,7 @@ class EncodeThread:
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        _batch_policy()
+        batch_policy()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -102,7 +113,7 @@ class EncodeThread:
                 return
 
 
-def _batch_policy() -> bool:
+def batch_policy() -> bool:
     """Put the calling thread under ``SCHED_BATCH`` (Linux): the same CPU share as before, but its
     wake-ups no longer preempt a running thread. Lowering a thread's own policy needs no
     privilege; False where the platform has no such policy (the thread then runs as before)."""

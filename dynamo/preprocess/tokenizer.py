@@ -85,6 +85,8 @@ class Tokenizer:
         "_byte_tables",
         "_token_texts",
         "_max_token_chars",
+        "_serialized",
+        "__weakref__",
     )
 
     def __init__(self, raw: tokenizers.Tokenizer) -> None:
@@ -95,7 +97,8 @@ class Tokenizer:
         self._vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
         added = raw.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
-        spec = json.loads(raw.to_str())
+        self._serialized: str = raw.to_str()
+        spec = json.loads(self._serialized)
         self._byte_level = _is_byte_level_decoder(spec.get("decoder"))
         self._max_token_chars = _max_token_chars(raw, spec.get("model"))
         self._byte_tables: dict[bool, tuple[bytes, ...]] = {}
@@ -115,6 +118,13 @@ class Tokenizer:
     def raw(self) -> tokenizers.Tokenizer:
         """The underlying ``tokenizers.Tokenizer`` (do not mutate it)."""
         return self._raw
+
+    @property
+    def serialized(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (``from_str`` rebuilds it): what the
+        tokenizer process loads (``encode_process.py``). Kept from construction, which needs it
+        anyway, so shipping it costs no serialization on the event loop."""
+        return self._serialized
 
     @property
     def vocab_size(self) -> int:

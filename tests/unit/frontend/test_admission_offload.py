@@ -9,9 +9,12 @@ import threading
 import pytest
 
 from dynamo.frontend.admission import MAX_RETRY_AFTER_S, Admission, Shed
+from dynamo.frontend.config import FrontendConfig
 from dynamo.frontend.errors import to_http
-from dynamo.frontend.offload import Offload
+from dynamo.frontend.offload import TOKENIZE_IN, Offload
 from dynamo.preprocess import Preprocessor, demo_model_path, load_model_dir
+from dynamo.preprocess.encode_process import EncodeProcess
+from dynamo.preprocess.encode_thread import EncodeThread
 from dynamo.protocol.model_card import ModelCard
 from dynamo.runtime.errors import Overloaded
 from tests.fakes import make_card
@@ -100,18 +103,38 @@ async def test_trim_memory_runs_on_the_pool_once_at_a_time() -> None:
     assert offload.trims == 1
 
 
-async def test_encode_inline_alone_and_on_the_tokenizer_thread_when_busy() -> None:
+@pytest.mark.parametrize("tokenize_in", TOKENIZE_IN)
+async def test_encode_inline_alone_and_in_the_tokenizer_process_or_thread_when_busy(
+    tokenize_in: str,
+) -> None:
     pre = Preprocessor(load_model_dir(demo_model_path()), served_model_name="demo")
     prompts = pre.completion_prompts(["hello world", "the end"])
     ids_prompt = pre.completion_prompts([1, 2, 3])
-    offload = Offload(threads=1)
+    offload = Offload(threads=1, tokenize_in=tokenize_in)
+    kind = EncodeProcess if tokenize_in == "process" else EncodeThread
+    assert isinstance(offload.encoder, kind)
     try:
         inline = await offload.encode(pre, prompts, inline=True)
-        assert offload.tokenizer_thread.jobs == 0
+        assert offload.encoder.jobs == 0
         assert await offload.encode(pre, prompts, inline=False) == inline == pre.encode(prompts)
-        assert offload.tokenizer_thread.jobs == 1
-        # token ids pass through without a trip to the thread
+        assert offload.encoder.jobs == 1
+        # token ids pass through without a trip to the process or thread
         assert await offload.encode(pre, ids_prompt, inline=False) == [[1, 2, 3]]
-        assert offload.tokenizer_thread.jobs == 1
+        assert offload.encoder.jobs == 1
     finally:
         offload.close()
+
+
+def test_tokenize_in_flag_its_env_twin_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    def parsed(*argv: str) -> FrontendConfig:
+        return FrontendConfig.from_args(FrontendConfig.build_parser().parse_args(list(argv)))
+
+    monkeypatch.delenv("DYN_TOKENIZE_IN", raising=False)
+    assert parsed().tokenize_in == "process"
+    assert parsed("--tokenize-in", "thread").tokenize_in == "thread"
+    monkeypatch.setenv("DYN_TOKENIZE_IN", "thread")
+    assert parsed().tokenize_in == "thread"
+    with pytest.raises(ValueError, match="tokenize"):
+        FrontendConfig(tokenize_in="elsewhere")
+    with pytest.raises(ValueError, match="tokenize_in"):
+        Offload(tokenize_in="elsewhere")

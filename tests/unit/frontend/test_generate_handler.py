@@ -204,11 +204,11 @@ async def test_idle_stream_gets_keep_alive_comments() -> None:
 async def test_concurrent_requests_tokenize_on_the_thread_with_the_same_result() -> None:
     kit = make_kit()
     alone = await kit.call(CHAT)  # nothing else in flight: tokenized inline
-    assert kit.handler.offload.tokenizer_thread.jobs == 0
+    assert kit.handler.offload.encoder.jobs == 0
     calls = [kit.call(stream() if i % 2 else CHAT) for i in range(4)]
     https = await asyncio.gather(*calls)
     # the first of the four ran alone; the others found it in flight
-    assert kit.handler.offload.tokenizer_thread.jobs >= 1
+    assert kit.handler.offload.encoder.jobs >= 1
     prompts = {len(r.token_ids) for r in kit.worker.sent}
     assert prompts == {alone.json()["usage"]["prompt_tokens"]}
     for i, http in enumerate(https):
