@@ -108,23 +108,11 @@ to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
 {
     if (!PyLong_Check(obj))
         return 0;
-#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
-    /* Sequence hashes are uniform 64-bit ints: half of them are >= 2**63, where the API's
-     * conversion takes its slow byte-array path. A non-negative int of up to three 30-bit
-     * digits that fits 64 bits is read from its digits (CPython 3.11's layout). */
-    Py_ssize_t size = Py_SIZE(obj);
-    if (size >= 0 && size <= 3) {
-        const digit *d = ((PyLongObject *)obj)->ob_digit;
-        if (size < 3 || d[2] < (1U << (64 - 2 * PyLong_SHIFT))) {
-            uint64_t x = 0;
-            for (Py_ssize_t i = size - 1; i >= 0; i--)
-                x = (x << PyLong_SHIFT) | d[i];
-            *key = x;
-            *neg = 0;
-            return 1;
-        }
+    /* sequence hashes: half of them >= 2**63, read from their digits (dynamo/_u64.h) */
+    if (dyn_u64_digits(obj, key)) {
+        *neg = 0;
+        return 1;
     }
-#endif
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (overflow == 0) {

@@ -95,6 +95,8 @@ as_key(PyObject *obj, uint64_t *out)
 {
     int overflow;
     long long value;
+    if (dyn_u64_digits(obj, out)) /* the common case: a non-negative 64-bit int */
+        return 0;
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "block hashes must be int, not %.100s",
                      Py_TYPE(obj)->tp_name);

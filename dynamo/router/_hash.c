@@ -64,6 +64,8 @@ token_bytes(PyObject *const *items, Py_ssize_t n, unsigned char *out)
 static int
 as_u64(PyObject *value, uint64_t *out)
 {
+    if (dyn_u64_digits(value, out))
+        return 0;
     *out = DYN_AS_U64(value);
     return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
 }

@@ -367,6 +367,10 @@ push(Node ***arr, size_t *cap, size_t len, Node *n)
 static int
 as_key(PyObject *obj, uint64_t *key, int *neg)
 {
+    if (dyn_u64_digits(obj, key)) { /* the common case: a non-negative 64-bit int */
+        *neg = 0;
+        return 0;
+    }
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "block ids and hashes must be ints, not %.100s",
                      Py_TYPE(obj)->tp_name);

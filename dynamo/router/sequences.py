@@ -13,13 +13,15 @@ trie is a flat refcounted multiset of keys and "blocks not in the trie" is one p
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router.block_counts import BlockCounts, new_blocks, prefix_keys
+from dynamo.router.block_counts import BlockCounts, new_blocks
+from dynamo.router.sequences_check import check_sequences
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class _Rank:
     private_blocks: int = 0
     prefill_tokens: int = 0
     num_requests: int = 0
+    column: int = 0  # its place in the rank list (and ActiveSequences' load columns)
 
 
 class _Request(msgspec.Struct, gc=False):
@@ -147,6 +150,8 @@ class ActiveSequences:
         "_rank_list",
         "_requests",
         "_columns_for",
+        "_columns",
+        "_stale",
     )
 
     def __init__(
@@ -172,8 +177,15 @@ class ActiveSequences:
         self._rank_list: list[_Rank] = []  # iteration order of the load queries
         self._requests: dict[str, _Request] = {}  # insertion order == arrival order
         # load_columns' last ``keys`` (the router passes the same list until its membership
-        # changes), resolved to their ranks and block tables; reset when ranks come or go.
-        self._columns_for: tuple[Sequence[WorkerRank], list[_Rank], list[BlockCounts]] | None = None
+        # changes), resolved to their ranks and block tables, and whether they are every rank
+        # in rank-list order; reset when ranks come or go.
+        self._columns_for: (
+            tuple[Sequence[WorkerRank], list[_Rank], list[BlockCounts], bool] | None
+        ) = None
+        # Every rank's prefill tokens, decode blocks and requests in rank-list order, kept up to
+        # date lazily: a rank that changed is noted in _stale (by column) until the next query.
+        self._columns: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._stale: dict[int, _Rank] = {}
 
     # ---------------------------------------------------------------- topology
 
@@ -193,7 +205,7 @@ class ActiveSequences:
                 rank = _Rank(worker_id, dp_rank)
                 self._ranks[key] = rank
                 self._rank_list.append(rank)
-                self._columns_for = None
+                self._rebuild_columns()
 
     def remove_worker(self, worker_id: int, dp_ranks: Iterable[int] | None = None) -> list[str]:
         """Stop tracking ``worker_id`` (all its ranks, or only ``dp_ranks``); frees its requests.
@@ -212,8 +224,22 @@ class ActiveSequences:
         for rank in gone:
             del self._ranks[(rank.worker_id, rank.dp_rank)]
         self._rank_list = [rank for rank in self._rank_list if rank not in gone]
-        self._columns_for = None
+        self._rebuild_columns()
         return freed
+
+    def _rebuild_columns(self) -> None:
+        """The rank list changed: number its ranks, rebuild the columns, drop load_columns'
+        resolved keys."""
+        ranks = self._rank_list
+        for i, rank in enumerate(ranks):
+            rank.column = i
+        self._columns = (
+            [rank.prefill_tokens for rank in ranks],
+            [len(rank.blocks) + rank.private_blocks for rank in ranks],
+            [rank.num_requests for rank in ranks],
+        )
+        self._stale = {}
+        self._columns_for = None
 
     def has_rank(self, worker_id: int, dp_rank: int) -> bool:
         return (worker_id, dp_rank) in self._ranks
@@ -262,6 +288,7 @@ class ActiveSequences:
             rank.private_blocks += private
         rank.prefill_tokens += prefill
         rank.num_requests += 1
+        self._stale[rank.column] = rank
         self._requests[request_id] = _Request(rank, hashes, private, prefill, now)
 
     def mark_prefill_completed(self, request_id: str) -> bool:
@@ -275,6 +302,7 @@ class ActiveSequences:
         if req.prefill_tokens:
             req.rank.prefill_tokens -= req.prefill_tokens
             req.prefill_tokens = 0
+            self._stale[req.rank.column] = req.rank
         return True
 
     def free(self, request_id: str) -> bool:
@@ -286,6 +314,7 @@ class ActiveSequences:
         if req is None:
             return False
         rank = req.rank
+        self._stale[rank.column] = rank
         rank.prefill_tokens -= req.prefill_tokens
         rank.num_requests -= 1
         rank.private_blocks -= req.private_blocks
@@ -364,20 +393,30 @@ class ActiveSequences:
         request's blocks new there, active requests. Read-only.
 
         ``keys`` is resolved once and reused while the caller passes the same list object and
-        no rank comes or goes: the caller must not mutate it in place."""
+        no rank comes or goes: the caller must not mutate it in place. ``keys`` in the order the
+        ranks were added (the router's targets): copies of columns kept up to date per change."""
         cached = self._columns_for
         if cached is not None and cached[0] is keys:
-            ranks, tables = cached[1], cached[2]
+            ranks, tables, whole = cached[1], cached[2], cached[3]
         else:
-            table = self._ranks
+            table, listed = self._ranks, self._rank_list
             ranks = [table[key] for key in keys]
             tables = [rank.blocks for rank in ranks]
-            self._columns_for = (keys, ranks, tables)
+            whole = len(ranks) == len(listed) and all(map(operator.is_, ranks, listed))
+            self._columns_for = (keys, ranks, tables, whole)
         if self._assume_kv_reuse:
             # the rank's trie holds whole paths: the request's blocks past its deepest node
             new = new_blocks(tables, sequence_hashes)
         else:
             new = [len(sequence_hashes)] * len(ranks)
+        if whole:  # every rank in rank-list order: the kept columns
+            prefill, decode, requests = self._columns
+            for i, rank in self._stale.items():
+                prefill[i] = rank.prefill_tokens
+                decode[i] = len(rank.blocks) + rank.private_blocks
+                requests[i] = rank.num_requests
+            self._stale.clear()
+            return prefill[:], decode[:], new, requests[:]
         return (
             [rank.prefill_tokens for rank in ranks],
             [len(rank.blocks) + rank.private_blocks for rank in ranks],
@@ -451,39 +490,4 @@ class ActiveSequences:
 
     def check_invariants(self) -> None:
         """Recompute every per-rank figure from the requests; raise AssertionError on a mismatch."""
-        expected: dict[int, tuple[dict[int, int], int, int, int]] = {
-            id(rank): ({}, 0, 0, 0) for rank in self._rank_list
-        }
-        if len(self._ranks) != len(self._rank_list):
-            raise AssertionError("rank index and rank list disagree")
-        for key, rank in self._ranks.items():
-            if key != (rank.worker_id, rank.dp_rank) or id(rank) not in expected:
-                raise AssertionError(f"rank index corrupt at {key}")
-        last = float("-inf")
-        for request_id, req in self._requests.items():
-            if id(req.rank) not in expected:
-                raise AssertionError(f"request {request_id!r} on an untracked rank")
-            if req.started_at < last:
-                raise AssertionError("requests are not in arrival order")
-            last = req.started_at
-            if req.prefill_tokens < 0 or (self._assume_kv_reuse and req.private_blocks):
-                raise AssertionError(f"request {request_id!r} has bad counters")
-            blocks, prefill, private, count = expected[id(req.rank)]
-            for node in prefix_keys(req.hashes):
-                blocks[node] = blocks.get(node, 0) + 1
-            expected[id(req.rank)] = (
-                blocks,
-                prefill + req.prefill_tokens,
-                private + req.private_blocks,
-                count + 1,
-            )
-        for rank in self._rank_list:
-            blocks, prefill, private, count = expected[id(rank)]
-            held = dict(rank.blocks.items())
-            actual = (held, rank.prefill_tokens, rank.private_blocks, rank.num_requests)
-            if actual != (blocks, prefill, private, count):
-                raise AssertionError(
-                    f"rank {(rank.worker_id, rank.dp_rank)}: state {actual[1:]} with "
-                    f"{len(rank.blocks)} blocks, expected {(prefill, private, count)} "
-                    f"with {len(blocks)} blocks"
-                )
+        check_sequences(self)

@@ -291,3 +291,55 @@ def test_matches_brute_force_model(
                 got = seqs.project_loads(probe)[rank].new_decode_blocks
                 assert got == expected, (probe, active)
     assert seqs.request_ids() == [rid for rid in model]
+
+
+def test_load_columns_follow_every_change_as_project_loads() -> None:
+    """The kept columns (every rank in rank-list order, refreshed per changed rank) equal the
+    figures read from the ranks, through adds, prefill completions, frees, expiry, ranks coming
+    and going, other key orders and subsets, with and without KV reuse."""
+    import random
+
+    rng = random.Random(11)
+    for reuse in (True, False):
+        clock = FakeClock()
+        seqs = ActiveSequences(4, assume_kv_reuse=reuse, clock=clock, expiry_s=50.0)
+        seqs.add_worker(1, (0, 1))
+        seqs.add_worker(2)
+        keys = seqs.ranks()
+        live: list[str] = []
+        for step in range(400):
+            op = rng.random()
+            if op < 0.4 and keys:
+                rid = f"r{step}"
+                hashes = [rng.randrange(4) for _ in range(rng.randrange(6))]
+                worker, rank = rng.choice(keys)
+                seqs.add_request(rid, worker, rank, hashes, new_isl_tokens=rng.randrange(40))
+                live.append(rid)
+            elif op < 0.6 and live:
+                seqs.mark_prefill_completed(rng.choice(live))
+            elif op < 0.8 and live:
+                seqs.free(live.pop(rng.randrange(len(live))))
+            elif op < 0.85:
+                clock.now += rng.choice([1.0, 40.0])
+            elif op < 0.9:
+                worker = rng.choice([1, 2, 3])
+                if rng.random() < 0.5:
+                    seqs.add_worker(worker, (0, 1))
+                else:
+                    seqs.remove_worker(worker)
+                keys = seqs.ranks()  # a new list: resolved again
+            query = [rng.randrange(4) for _ in range(rng.randrange(6))]
+            for asked in (keys, keys[::-1], keys[1:]):
+                got = seqs.load_columns(query, asked)
+                loads = {(p.worker_id, p.dp_rank): p for p in seqs.project_loads(query)}
+                want = tuple(
+                    [getattr(loads[k], f) for k in asked]
+                    for f in (
+                        "active_prefill_tokens",
+                        "active_decode_blocks",
+                        "new_decode_blocks",
+                        "active_requests",
+                    )
+                )
+                assert got == want, step
+            seqs.check_invariants()
