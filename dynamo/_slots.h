@@ -1,6 +1,8 @@
 /*
  * dynamo/_slots.h: a slotted class's fields read and written at their offsets, for the native
- * modules that walk the replay's Python objects (``replay/_deliver.c``, ``replay/_loop.c``).
+ * modules that walk Python objects of slotted classes (the scheduler pass's Sequence in
+ * ``engine_core/_pass.c``; the replay's ranks, flights and records in ``replay/_deliver.c``,
+ * ``replay/_loop.c``).
  *
  * Why: a field of a ``@dataclass(slots=True)`` is a member descriptor; reaching it through
  * ``PyObject_GetAttr`` costs a type lookup and a descriptor call (~30-40 ns), a load at its
@@ -17,7 +19,7 @@
 #include <structmember.h>
 #include <string.h>
 
-#define DYN_SLOTS_MAX 8
+#define DYN_SLOTS_MAX 24 /* the most fields one DynSlots reads (the Sequence has 23) */
 
 typedef struct {
     const char *const *texts;  /* the field names */
@@ -35,6 +37,10 @@ typedef struct {
 static int
 dyn_slots_init(DynSlots *l)
 {
+    if (l->n > DYN_SLOTS_MAX) {
+        PyErr_SetString(PyExc_SystemError, "DynSlots: more fields than DYN_SLOTS_MAX");
+        return -1;
+    }
     for (int k = 0; k < l->n; k++)
         if (l->names[k] == NULL && (l->names[k] = PyUnicode_InternFromString(l->texts[k])) == NULL)
             return -1;

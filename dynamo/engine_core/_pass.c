@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_slots.h"
 #include "../_u64.h"
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
@@ -49,9 +50,8 @@ static const char *const field_names[NFIELDS] = {
     "hash_seed", "request_id", "handoff",
 };
 
-static PyObject *names[NFIELDS];
-static PyTypeObject *fast_type; /* the Sequence class, once its slot offsets are known */
-static Py_ssize_t offsets[NFIELDS];
+/* The Sequence class's slot offsets (learned from it at the first call, ``ensure_ready``). */
+static DynSlots seq_slots = DYN_SLOTS_OF(field_names);
 
 /* Names of the collaborators' attributes and methods (interned at import). */
 static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_blocks, *s_use,
@@ -62,31 +62,6 @@ static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_bloc
 /* Learned once from dynamo.engine_core.sequence / dynamo.protocol.output (strong refs). */
 static PyObject *st_waiting, *st_running, *st_finished, *fr_length, *fr_stop, *hash_fn,
     *chain_seed;
-
-/* The slot offsets of ``type`` if every field is a plain writable object slot. */
-static void
-learn(PyTypeObject *type)
-{
-    Py_ssize_t found[NFIELDS];
-    for (int k = 0; k < NFIELDS; k++) {
-        PyObject *d = PyObject_GetAttr((PyObject *)type, names[k]);
-        if (d == NULL) {
-            PyErr_Clear();
-            return;
-        }
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type);
-        if (ok) {
-            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY);
-            found[k] = m->offset;
-        }
-        Py_DECREF(d);
-        if (!ok)
-            return;
-    }
-    memcpy(offsets, found, sizeof found);
-    fast_type = (PyTypeObject *)Py_NewRef(type);
-}
 
 static PyObject *
 attr_of(const char *module, const char *dotted_a, const char *b)
@@ -114,7 +89,7 @@ ensure_ready(void)
     if (cls == NULL)
         return -1;
     if (PyType_Check(cls))
-        learn((PyTypeObject *)cls);
+        dyn_slots_learn(&seq_slots, (PyTypeObject *)cls);
     Py_DECREF(cls);
     if ((st_waiting = attr_of("dynamo.engine_core.sequence", "SequenceStatus", "WAITING")) ==
             NULL ||
@@ -131,32 +106,17 @@ ensure_ready(void)
 }
 
 /* A field's value (new reference), or NULL with an exception. */
-static PyObject *
+static inline PyObject *
 get(PyObject *seq, int f)
 {
-    if (Py_TYPE(seq) == fast_type) {
-        PyObject *v = *(PyObject **)((char *)seq + offsets[f]);
-        if (v == NULL) {
-            PyErr_Format(PyExc_AttributeError, "%U", names[f]);
-            return NULL;
-        }
-        return Py_NewRef(v);
-    }
-    return PyObject_GetAttr(seq, names[f]);
+    return dyn_slots_get(&seq_slots, seq, f);
 }
 
 /* Set a field to ``v`` (not stolen). */
-static int
+static inline int
 put(PyObject *seq, int f, PyObject *v)
 {
-    if (Py_TYPE(seq) == fast_type) {
-        PyObject **slot = (PyObject **)((char *)seq + offsets[f]);
-        PyObject *old = *slot;
-        *slot = Py_NewRef(v);
-        Py_XDECREF(old);
-        return 0;
-    }
-    return PyObject_SetAttr(seq, names[f], v);
+    return dyn_slots_put(&seq_slots, seq, f, v);
 }
 
 /* Set a field to a new reference ``v`` (stolen; NULL: the error that made it). */
@@ -1265,9 +1225,8 @@ static struct PyModuleDef pass_module = {
 PyMODINIT_FUNC
 PyInit__pass(void)
 {
-    for (int k = 0; k < NFIELDS; k++)
-        if ((names[k] = PyUnicode_InternFromString(field_names[k])) == NULL)
-            return NULL;
+    if (dyn_slots_init(&seq_slots) < 0)
+        return NULL;
 #define INTERN(var, text)                                                                     \
     if ((var = PyUnicode_InternFromString(text)) == NULL)                                    \
         return NULL;
