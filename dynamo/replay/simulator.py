@@ -25,8 +25,8 @@ Events, in time order (ties: arrivals first, then pass ends, then pass starts, e
   sent-time + a constant, so they are kept in a FIFO, not the heap; one due at the same instant as
   an event fires after it (the tokens of that instant arrive first).
 
-The loop with ``_pass_start`` / ``_pass_end`` runs in C when it is built (``replay/_loop.c``,
-step for step the same; ``DYN_NATIVE=0`` runs this Python).
+The loop with ``_pass_start`` / ``_pass_end`` runs in C when built (``replay/_loop.c``, step for
+step the same; ``DYN_NATIVE=0`` runs this Python). An ended flight keeps its record and routing.
 
 Deterministic for a given seed: one ``random.Random`` per use, seeded from it, and no
 dependence on wall-clock time or hash ordering.
@@ -65,6 +65,8 @@ from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
+# every ended flight's prompt and spec (never read or changed): no objects kept per request
+_ENDED, _ENDED_SPEC = list[int](), RequestSpec(max_tokens=0, expected_prompt_tokens=0)
 _native_loop = native.load_optional("dynamo.replay._loop")
 """The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
 
@@ -457,7 +459,8 @@ class Simulation:
             record.prompt_tokens = seq.num_prompt_tokens
             if record.cached_tokens is None:
                 record.cached_tokens = seq.num_cached_tokens or 0
-            record.finish_reason = "length" if seq.finish_reason is None else _finish(seq)
+            reason = seq.finish_reason
+            record.finish_reason = "length" if reason is None else str(reason.value)
             if self._decode_text is not None:
                 record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
             self._finish(flight)
@@ -488,11 +491,5 @@ class Simulation:
         """The request ended (done, failed or abandoned): its load phase goes on."""
         flight.done = True
         del self._by_id[flight.request_id]
-        flight.tokens, flight.spec.prompt = [], None  # prompts of ended requests: not kept
+        flight.tokens, flight.spec = _ENDED, _ENDED_SPEC  # what ended requests sent: not kept
         flight.load.ended(flight.runner, flight.record)
-
-
-def _finish(seq: Sequence) -> str:
-    reason = seq.finish_reason
-    assert reason is not None
-    return str(reason.value)

@@ -192,3 +192,14 @@ def test_router_seed_varies_only_the_routers_choices() -> None:
     workers = [f.routing.worker_id for f in base.flights if f.routing]
     assert [f.routing.worker_id for f in other.flights if f.routing] != workers
     assert other.summary["server"]["deployment"]["router_seed"] == 4
+
+
+def test_ended_flights_keep_their_record_and_routing_only() -> None:
+    """What a request sent (its prompt, its spec) is not kept once it ended: every flight of a
+    finished run holds the shared placeholders, and the report's figures are all there."""
+    result = _run("kv", num_requests=40)
+    assert len(result.flights) == 40 and all(f.record.ok for f in result.flights)
+    for f in result.flights:
+        assert f.done and f.tokens == [] and f.spec.prompt is None
+        assert f.routing is not None and f.record.prompt_tokens == f.record.expected_prompt_tokens
+    assert len({id(f.spec) for f in result.flights}) == 1  # one placeholder, not a spec each
