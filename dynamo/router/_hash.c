@@ -81,10 +81,79 @@ chain(uint64_t parent, uint64_t local)
     return XXH3_64bits_withSeed(pair, 16, SEQUENCE_SEED);
 }
 
+/* With ``known`` (known_tokens, known_local, known_chained: a ``prompt_hashes`` result):
+ * convert ids[from..n) of ``items`` into ``buf`` and fill out[0..k) / chain_out[0..k) with
+ * known's hash objects for the k leading complete blocks whose ids equal known_tokens', *prev
+ * with the last chained value. The leading ids that are known_tokens' own objects are not
+ * read (``from`` is past them: checked when known was hashed); a later block is compared by
+ * value. Returns k, or -1 with an exception. A known item that is not a valid id only ends
+ * the shared blocks. */
+static Py_ssize_t
+reuse_known(PyObject *const *items, Py_ssize_t n, unsigned char *buf, Py_ssize_t block_size,
+            Py_ssize_t blocks, PyObject *const *known, PyObject *out, PyObject *chain_out,
+            uint64_t *prev)
+{
+    Py_ssize_t k = -1;
+    PyObject *kt = PySequence_Fast(known[0], "known_tokens must be a sequence of ints");
+    PyObject *kl = kt ? PySequence_Fast(known[1], "known_local must be a sequence") : NULL;
+    PyObject *kc = kl ? PySequence_Fast(known[2], "known_chained must be a sequence") : NULL;
+    if (kc == NULL)
+        goto done;
+    Py_ssize_t limit = blocks, kn = PySequence_Fast_GET_SIZE(kt) / block_size;
+    if (kn < limit)
+        limit = kn;
+    if (PySequence_Fast_GET_SIZE(kl) < limit)
+        limit = PySequence_Fast_GET_SIZE(kl);
+    if (PySequence_Fast_GET_SIZE(kc) < limit)
+        limit = PySequence_Fast_GET_SIZE(kc);
+    PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
+    Py_ssize_t same = 0, most = limit * block_size;
+    while (same < most && items[same] == kitems[same])
+        same++;
+    k = same / block_size;
+    Py_ssize_t from = k * block_size;
+    if (token_bytes(items + from, n - from, buf + 4 * from) < 0) {
+        k = -1;
+        goto done;
+    }
+    for (; k < limit; k++) {
+        Py_ssize_t i = k * block_size, hi = i + block_size;
+        for (; i < hi; i++) {
+            if (items[i] == kitems[i])
+                continue; /* the same object: the same id */
+            unsigned long t = token_id(kitems[i]);
+            if (t == (unsigned long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                break;
+            }
+            const unsigned char *b = buf + 4 * i;
+            unsigned long v = (unsigned long)b[0] | (unsigned long)b[1] << 8 |
+                              (unsigned long)b[2] << 16 | (unsigned long)b[3] << 24;
+            if (t != v)
+                break;
+        }
+        if (i < hi)
+            break;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyList_SET_ITEM(out, j, Py_NewRef(PySequence_Fast_ITEMS(kl)[j]));
+        PyList_SET_ITEM(chain_out, j, Py_NewRef(PySequence_Fast_ITEMS(kc)[j]));
+    }
+    if (k > 0 && as_u64(PySequence_Fast_ITEMS(kc)[k - 1], prev) < 0)
+        k = -1;
+done:
+    Py_XDECREF(kt);
+    Py_XDECREF(kl);
+    Py_XDECREF(kc);
+    return k;
+}
+
 /* The local hashes of (tokens, block_size, seed) and, when ``chained`` is not NULL, their
- * sequence hashes into *chained (computed from the same u64 values: no conversion back). */
+ * sequence hashes into *chained (computed from the same u64 values: no conversion back).
+ * ``known`` (NULL, or with ``chained``: known_tokens, known_local, known_chained): the leading
+ * blocks shared with known_tokens take known's hashes (``reuse_known``) instead of hashing. */
 static PyObject *
-block_hashes(PyObject *const *args, PyObject **chained)
+block_hashes(PyObject *const *args, PyObject **chained, PyObject *const *known)
 {
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
     uint64_t seed;
@@ -102,21 +171,25 @@ block_hashes(PyObject *const *args, PyObject **chained)
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t blocks = n / block_size;
     PyObject *out = NULL, *chain_out = NULL;
-    /* every token is converted, the tail too: a bad id fails as array('I') would */
+    /* every token is converted, the tail too: a bad id fails as array('I') would (with
+     * ``known``, all but the ids that are known_tokens' own objects: reuse_known) */
     unsigned char *buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1);
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    if (token_bytes(items, n, buf) < 0)
-        goto done;
     if ((out = PyList_New(blocks)) == NULL)
         goto done;
     if (chained != NULL && (chain_out = PyList_New(blocks)) == NULL)
         goto fail;
-    size_t width = (size_t)block_size * 4;
     uint64_t prev = 0;
-    for (Py_ssize_t i = 0; i < blocks; i++) {
+    Py_ssize_t start = 0;
+    if (known == NULL ? token_bytes(items, n, buf) < 0
+                      : (start = reuse_known(items, n, buf, block_size, blocks, known, out,
+                                             chain_out, &prev)) < 0)
+        goto fail;
+    size_t width = (size_t)block_size * 4;
+    for (Py_ssize_t i = start; i < blocks; i++) {
         uint64_t local = XXH3_64bits_withSeed(buf + i * width, width, seed);
         PyObject *h = PyLong_FromUnsignedLongLong(local);
         if (h == NULL)
@@ -150,7 +223,21 @@ local_block_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "local_block_hashes(tokens, block_size, seed)");
         return NULL;
     }
-    return block_hashes(args, NULL);
+    return block_hashes(args, NULL, NULL);
+}
+
+/* ``(local, chained)`` of args[0..3), reusing ``known``'s shared blocks when not NULL. */
+static PyObject *
+hash_pair(PyObject *const *args, PyObject *const *known)
+{
+    PyObject *chained = NULL;
+    PyObject *local = block_hashes(args, &chained, known);
+    if (local == NULL)
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, local, chained);
+    Py_DECREF(local);
+    Py_DECREF(chained);
+    return pair;
 }
 
 static PyObject *
@@ -160,14 +247,18 @@ prompt_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "prompt_hashes(tokens, block_size, seed)");
         return NULL;
     }
-    PyObject *chained = NULL;
-    PyObject *local = block_hashes(args, &chained);
-    if (local == NULL)
+    return hash_pair(args, NULL);
+}
+
+static PyObject *
+prompt_hashes_after(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "prompt_hashes_after(tokens, block_size, seed, "
+                                         "known_tokens, known_local, known_chained)");
         return NULL;
-    PyObject *pair = PyTuple_Pack(2, local, chained);
-    Py_DECREF(local);
-    Py_DECREF(chained);
-    return pair;
+    }
+    return hash_pair(args, args + 3);
 }
 
 static PyObject *
@@ -247,6 +338,9 @@ static PyMethodDef module_methods[] = {
      "local_block_hashes(tokens, block_size, seed): XXH3-64 of each complete block."},
     {"prompt_hashes", (PyCFunction)(void (*)(void))prompt_hashes, METH_FASTCALL,
      "prompt_hashes(tokens, block_size, seed): (local_block_hashes, their sequence hashes)."},
+    {"prompt_hashes_after", (PyCFunction)(void (*)(void))prompt_hashes_after, METH_FASTCALL,
+     "prompt_hashes_after(tokens, block_size, seed, known_tokens, known_local, known_chained): "
+     "prompt_hashes reusing the hashes of the blocks shared with a known prompt."},
     {"sequence_hashes", (PyCFunction)sequence_hashes, METH_O,
      "sequence_hashes(local_hashes): the chained hashes."},
     {"block_hash", (PyCFunction)(void (*)(void))block_hash, METH_FASTCALL,

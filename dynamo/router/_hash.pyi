@@ -12,6 +12,21 @@ def prompt_hashes(tokens: Sequence[int], block_size: int, seed: int) -> tuple[li
     """``(local, sequence_hashes(local))`` for ``local = local_block_hashes(tokens, block_size,
     seed)``, in one call (the chain from the same 64-bit values, not converted back)."""
 
+def prompt_hashes_after(
+    tokens: Sequence[int],
+    block_size: int,
+    seed: int,
+    known_tokens: Sequence[int],
+    known_local: Sequence[int],
+    known_chained: Sequence[int],
+) -> tuple[list[int], list[int]]:
+    """``prompt_hashes(tokens, block_size, seed)``, taking the hash objects of ``known_local`` /
+    ``known_chained`` for the leading complete blocks whose ids equal ``known_tokens``' (the
+    same objects or equal values) instead of hashing them. Precondition (not checked):
+    ``(known_local, known_chained) == prompt_hashes(known_tokens, block_size, seed)``. Every id
+    of ``tokens`` is checked as ``prompt_hashes`` checks it; a known item that is not a valid id
+    only ends the shared blocks."""
+
 def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     """Chained hashes: ``seq[0] = local[0]``, ``seq[i] = next_sequence_hash(seq[i-1],
     local[i])``."""

@@ -25,7 +25,9 @@ _MASK64 = (1 << 64) - 1
 _xxh3 = xxhash.xxh3_64_intdigest
 
 _impl = native.load(
-    "dynamo.router._hash", "dynamo.router._hash_fallback", requires=("prompt_hashes",)
+    "dynamo.router._hash",
+    "dynamo.router._hash_fallback",
+    requires=("prompt_hashes", "prompt_hashes_after"),
 )
 IMPLEMENTATION: str = _impl.__name__
 """The module in use (``dynamo.router._hash`` or ``dynamo.router._hash_fallback``)."""
@@ -34,11 +36,12 @@ if TYPE_CHECKING:
     from dynamo.router._hash import local_block_hashes as _plain_hashes
     from dynamo.router._hash import next_sequence_hash as _next
     from dynamo.router._hash import prompt_hashes as _plain_pair
+    from dynamo.router._hash import prompt_hashes_after as _pair_after
     from dynamo.router._hash import sequence_hashes as _chain
 else:
     _block_hash, _plain_hashes = _impl.block_hash, _impl.local_block_hashes
     _next, _chain = _impl.next_sequence_hash, _impl.sequence_hashes
-    _plain_pair = _impl.prompt_hashes
+    _plain_pair, _pair_after = _impl.prompt_hashes, _impl.prompt_hashes_after
 
 
 def block_seed(lora_name: str | None = None, salt: str | None = None) -> int:
@@ -97,6 +100,34 @@ def prompt_hashes(
     if block_size <= 0:
         return [], []
     return _plain_pair(tokens, block_size, block_seed(lora_name))
+
+
+class SharedPrefixHasher:
+    """:func:`prompt_hashes` of a stream of plain prompts, each under a key (the offline
+    replay's prefix group): a prompt reuses the hashes of the leading complete blocks it shares
+    with the last prompt of its key (compared id by id in ``_hash.c``: the result is always
+    ``prompt_hashes``'s), so a group's common prefix is hashed once, not per request.
+
+    The last prompt of each key is kept to compare with: the caller must not change a prompt
+    after handing it in (the replay's prompts are never changed: engines copy them)."""
+
+    def __init__(self, block_size: int, *, lora_name: str | None = None) -> None:
+        self.block_size = block_size
+        self._seed = block_seed(lora_name)
+        self._last: dict[int, tuple[list[int], tuple[int, ...], tuple[int, ...]]] = {}
+
+    def hashes(self, tokens: list[int], key: int | None) -> tuple[list[int], list[int]]:
+        """``prompt_hashes(tokens, block_size)``; ``key`` None: nothing kept or reused."""
+        if self.block_size <= 0:
+            return [], []
+        last = None if key is None else self._last.get(key)
+        if last is None:
+            local, chained = _plain_pair(tokens, self.block_size, self._seed)
+        else:
+            local, chained = _pair_after(tokens, self.block_size, self._seed, *last)
+        if key is not None:  # tuples: the returned lists are the caller's to change
+            self._last[key] = (tokens, tuple(local), tuple(chained))
+        return local, chained
 
 
 def block_hash(tokens: Sequence[int], seed: int = XXH3_SEED) -> int:

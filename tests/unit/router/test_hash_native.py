@@ -106,3 +106,79 @@ def test_token_ids_read_the_same_whatever_their_form(native: ModuleType) -> None
         native.prompt_hashes([1, "2"], 1, 3)
     with pytest.raises(TypeError):
         native.prompt_hashes([1, 2], 1)
+
+
+def _shared_prompts(rng: random.Random, n: int, block_size: int) -> list[list[int]]:
+    """Prompts around one base: its own objects for a prefix of any length (whole blocks or
+    not), equal ids as other objects, a changed id, shorter and longer prompts."""
+    base = [rng.randrange(1 << 32) for _ in range(n)]
+    out: list[list[int]] = []
+    for _ in range(12):
+        cut = rng.randrange(n + 1)
+        tail = [rng.randrange(1 << 32) for _ in range(rng.randrange(3 * block_size))]
+        prompt = base[:cut] + tail
+        if prompt and rng.random() < 0.3:  # an equal id, another object
+            i = rng.randrange(len(prompt))
+            prompt[i] = int(str(prompt[i]))
+        if prompt and rng.random() < 0.3:  # a changed id inside the shared part
+            i = rng.randrange(len(prompt))
+            prompt[i] ^= 1
+        out.append(prompt)
+    return [base, *out]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prompt_hashes_after_a_known_prompt_are_prompt_hashes(
+    native: ModuleType, seed: int
+) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 3, 16, 64])
+    salt = rng.choice([hashing.XXH3_SEED, rng.randrange(1 << 64)])
+    prompts = _shared_prompts(rng, rng.randrange(4 * block_size), block_size)
+    for known in prompts:
+        k_local, k_chained = native.prompt_hashes(known, block_size, salt)
+        for tokens in prompts:
+            want = py.prompt_hashes(tokens, block_size, salt)
+            for module in (native, py):
+                got = module.prompt_hashes_after(
+                    tokens, block_size, salt, known, k_local, tuple(k_chained)
+                )
+                assert got == want
+    assert native.prompt_hashes_after([1, 2], 0, 1, [1, 2], [], []) == ([], [])
+    assert py.prompt_hashes_after([1, 2], 0, 1, [1, 2], [], []) == ([], [])
+
+
+def test_prompt_hashes_after_checks_ids_and_its_arguments(native: ModuleType) -> None:
+    known = [3, 4, 5, 6]
+    k = native.prompt_hashes(known, 2, 1337)
+    for module in (native, py):
+        # a new id past the shared blocks is checked as prompt_hashes checks it
+        with pytest.raises(OverflowError):
+            module.prompt_hashes_after([3, 4, 5, -1], 2, 1337, known, *k)
+        # a known item that is not an id only ends the shared blocks
+        bad_known = [3, "x", 5, 6]
+        assert module.prompt_hashes_after(
+            [3, 4, 5, 6], 2, 1337, bad_known, *k
+        ) == native.prompt_hashes([3, 4, 5, 6], 2, 1337)
+    with pytest.raises(TypeError):
+        native.prompt_hashes_after([3, 4], 2, 1337, known, k[0])
+    with pytest.raises(TypeError):
+        native.prompt_hashes_after([3, 4], 2, 1337, 5, *k)
+
+
+def test_shared_prefix_hasher_reuses_a_keys_blocks() -> None:
+    rng = random.Random(3)
+    prefix = [rng.randrange(50_000) for _ in range(64)]
+    hasher = hashing.SharedPrefixHasher(16)
+    for i in range(20):
+        key = i % 3 if i % 5 else None
+        tokens = (prefix if key != 1 else prefix[::-1]) + [rng.randrange(50_000) for _ in range(20)]
+        local, chained = hasher.hashes(tokens, key)
+        assert (local, chained) == hashing.prompt_hashes(tokens, 16)
+        local.append(1)  # the caller's lists: the next prompt's hashes are not changed by it
+        chained.clear()
+    # the prefix blocks are the key's last prompt's own hash objects (reused, not recomputed)
+    a = hasher.hashes([*prefix, 1], 0)[0]
+    b = hasher.hashes([*prefix, 2], 0)[0]
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    assert hashing.SharedPrefixHasher(0).hashes(prefix, 0) == ([], [])
