@@ -198,7 +198,21 @@ def gauges(status_port: int) -> dict[str, float]:
     return out
 
 
+def idle(vllm_stack: VllmStack) -> list[dict[str, float]]:
+    """Until no worker runs a request or holds a block (60 s at most): the gauges then."""
+    deadline = time.monotonic() + 60
+    while True:
+        now = [gauges(p) for p in vllm_stack.status_ports]
+        if all(g["num_requests_running"] == 0 and g["gpu_cache_usage_percent"] == 0 for g in now):
+            return now
+        assert time.monotonic() < deadline, f"vLLM still runs a request: {now}"
+        time.sleep(0.2)
+
+
 def test_client_disconnect_aborts_vllm_request(vllm_stack: VllmStack) -> None:
+    # An earlier test's request may still be ending on a worker (a stop string ends the
+    # response at once; the engine's abort follows asynchronously): start from idle workers.
+    idle(vllm_stack)
     conn = http.client.HTTPConnection("127.0.0.1", vllm_stack.port, timeout=120)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 1.0}
     body |= {"ignore_eos": True, "stream": True, "nvext": {"extra_fields": ["worker_id"]}}
@@ -213,13 +227,7 @@ def test_client_disconnect_aborts_vllm_request(vllm_stack: VllmStack) -> None:
     running = [gauges(p) for p in vllm_stack.status_ports]
     assert sum(g["num_requests_running"] for g in running) == 1, running
     conn.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 60
-    while True:
-        now = [gauges(p) for p in vllm_stack.status_ports]
-        if all(g["num_requests_running"] == 0 and g["gpu_cache_usage_percent"] == 0 for g in now):
-            break
-        assert time.monotonic() < deadline, f"vLLM still runs the abandoned request: {now}"
-        time.sleep(0.2)
+    idle(vllm_stack)  # vLLM aborts the abandoned request and frees its blocks
     again = completion(vllm_stack.port, prompt=PROMPTS[0], max_tokens=2, ignore_eos=True)
     assert again["usage"]["completion_tokens"] == 2
 
