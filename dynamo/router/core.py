@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,9 +158,9 @@ class RoutingCore:
         else:  # read only here (what is kept is copied): a list is used as it is
             seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
         selector = self.selector
-        if overlaps is None and targets is self._targets and not selector.has_busy_thresholds:
+        if targets is self._targets and not selector.has_busy_thresholds:
             if selector.temperature == 0:  # the common request: one native call
-                chosen = self._choose(local_hashes, seqs, isl_tokens)
+                chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps)
                 if record:
                     self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
                 return chosen
@@ -243,11 +244,18 @@ class RoutingCore:
         self._target_keys = [(w.worker_id, r) for w, r in self._targets]
         self._target_index = {key: i for i, key in enumerate(self._target_keys)}
 
+    def _covers(self, allowed: Collection[int]) -> bool:
+        """Whether ``allowed`` holds every tracked worker (the live router passes the live
+        ones: normally all of them)."""
+        if isinstance(allowed, AbstractSet):
+            return allowed >= self.workers.keys()
+        return all(worker_id in allowed for worker_id in self.workers)
+
     def _eligible(
         self, allowed: Collection[int] | None, pinned: int | None, rank: int | None
     ) -> list[tuple[WorkerSpec, int]]:
-        if allowed is None and pinned is None and rank is None:
-            targets = self._targets
+        if pinned is None and rank is None and (allowed is None or self._covers(allowed)):
+            targets = self._targets  # every target: the route kernel's whole-target call
         else:
             targets = [
                 (w, r)
@@ -262,12 +270,21 @@ class RoutingCore:
             raise NoInstances("no live instance")
         return targets
 
-    def _choose(self, local_hashes: Sequence[int], seqs: list[int], isl_tokens: int) -> Selection:
+    def _choose(
+        self,
+        local_hashes: Sequence[int],
+        seqs: list[int],
+        isl_tokens: int,
+        overlaps: dict[tuple[int, int], int] | None,
+    ) -> Selection:
         """:meth:`_select` over every target at temperature 0, in one call of the route kernel
         (``_route.pyi``: the index's matches, the ranks' loads, the costs and the choice)."""
         key_of: list[tuple[int, int]] | None = None
-        if not local_hashes:
-            matches: dict[Any, int] = {}
+        matches: dict[Any, int]
+        if overlaps is not None:  # the caller's find_matches (keyed by worker)
+            matches = overlaps
+        elif not local_hashes:
+            matches = {}
         elif self.indexer is not None:  # slots of the index, read through key_of
             matches, key_of = self.indexer.slot_matches(local_hashes)
         else:

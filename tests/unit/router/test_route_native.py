@@ -126,8 +126,9 @@ def test_bad_input_is_refused(native: ModuleType, module: str) -> None:
     ],
 )
 def test_one_call_path_chooses_as_the_candidate_path(settings: dict[str, object]) -> None:
-    """A core routing every request in one kernel call (no ``overlaps`` handed in, every
-    target eligible) scores the state as ``Candidate`` objects and ``select_worker`` do."""
+    """A core routing every request in one kernel call (every target eligible; the index's
+    matches found by the core, or handed in as the live router does) scores the state as
+    ``Candidate`` objects and ``select_worker`` do."""
     kv = KVRouterSettings(**settings)  # type: ignore[arg-type]
     core = RoutingCore(4, kv, rng=random.Random(3), clock=lambda: 0.0)
     twin_rng = random.Random(3)
@@ -149,7 +150,14 @@ def test_one_call_path_chooses_as_the_candidate_path(settings: dict[str, object]
         seqs = sequence_hashes(local)
         options = core._candidates(core._targets, seqs, core.find_matches(local))  # noqa: SLF001
         want = select_worker(options, len(tokens), 4, core.selector, twin_rng)
-        got = core.route(f"r{i}", local, len(tokens), seq_hashes=seqs)
+        if i % 2:  # as the live router calls it: every worker allowed, its own matches
+            allowed = set(core.workers) | {999}
+            found = core.find_matches(local)
+            got = core.route(
+                f"r{i}", local, len(tokens), seq_hashes=seqs, allowed=allowed, overlaps=found
+            )
+        else:
+            got = core.route(f"r{i}", local, len(tokens), seq_hashes=seqs)
         assert got == want
         hits += got.overlap_blocks > 0
         if i % 3 == 0:
@@ -159,3 +167,19 @@ def test_one_call_path_chooses_as_the_candidate_path(settings: dict[str, object]
     assert core.rng.getstate() == twin_rng.getstate()
     assert hits > 5
     core.sequences.check_invariants()
+
+
+def test_whole_target_calls_are_told_apart() -> None:
+    """The kernel's call covers every target: a worker left out of ``allowed`` (a list or a
+    set) or a pin narrows the targets, and only those are scored."""
+    core = RoutingCore(4, KVRouterSettings(), rng=random.Random(0))
+    for wid in (1, 2, 3):
+        core.add_worker(WorkerSpec(wid))
+    local = local_block_hashes(list(range(16)), 4)
+    for allowed in ([1, 2, 3], {1, 2, 3}, None):
+        got = core.route("a", local, 16, allowed=allowed, record=False)
+        assert [key for key in got.scored] == [(1, 0), (2, 0), (3, 0)]
+    for allowed in ([1, 3], {3, 1}):
+        got = core.route("a", local, 16, allowed=allowed, record=False)
+        assert list(got.scored) == [(1, 0), (3, 0)]
+    assert core.route("a", local, 16, pinned_worker=2, record=False).worker_id == 2
