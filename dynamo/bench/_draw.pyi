@@ -11,3 +11,9 @@ def choices(rng: random.Random, population: Sequence[T], k: int) -> list[T]:
     """``rng.choices(population, k=k)``: ``k`` uniform draws with replacement, the same items
     and the same draws from ``rng`` (one ``rng.random()`` per item; ``k`` <= 0: none).
     IndexError for an empty population and ``k`` > 0."""
+
+def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], total: int) -> list[T]:
+    """A new list of ``total`` items: ``head[:total]``, then ``total - len(head[:total])``
+    uniform draws from ``population`` exactly as ``choices`` draws them (a token-id prompt: its
+    shared words, then its own). ValueError for a negative ``total``; IndexError for an empty
+    population when draws are needed."""

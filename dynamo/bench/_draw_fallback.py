@@ -12,3 +12,11 @@ T = TypeVar("T")
 
 def choices(rng: random.Random, population: Sequence[T], k: int) -> list[T]:
     return rng.choices(population, k=k)
+
+
+def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], total: int) -> list[T]:
+    if total < 0:
+        raise ValueError("a prompt's length cannot be negative")
+    out = list(head[:total])
+    out += rng.choices(population, k=total - len(out))
+    return out

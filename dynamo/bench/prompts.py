@@ -21,7 +21,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from dynamo.bench.draw import choices
+from dynamo.bench.draw import choices, extended
 from dynamo.preprocess import ModelDir
 
 _WORD = re.compile(r" [a-z]{2,}")
@@ -120,11 +120,10 @@ class PromptBuilder:
                 f"an input length of {total} tokens is below this prompt form's minimum of "
                 f"{max(1, self.overhead)} (chat template / special tokens)"
             )
-        content = list(words)  # the caller's words are never modified
-        if self.mode == "ids":
-            del content[total:]
-            content += choices(rng, self.words, max(0, total - len(content)))
+        if self.mode == "ids":  # one new list: the caller's words, then drawn ones
+            content = extended(rng, self.words, words, total)
             return content, None, content
+        content = list(words)  # the caller's words are never modified
         want = total - self.overhead
         if len(content) > want:
             content = content[:want]

@@ -57,6 +57,19 @@ class _ByteLevelDecoder:
         self.partial = data[consumed:]
         return text
 
+    def chunk(self, token_ids: Sequence[int]) -> str | None:
+        """The text of ``token_ids`` at once, as :meth:`step` on each would give it joined
+        (UTF-8 decoding is the same whatever the split of its input); None (nothing consumed)
+        when an id is outside the table: :meth:`step` then decodes it to nothing."""
+        if not token_ids:
+            return ""
+        if min(token_ids) < 0 or max(token_ids) >= len(self.table):
+            return None
+        data = self.partial + b"".join(map(self.table.__getitem__, token_ids))
+        text, consumed = codecs.utf_8_decode(data, "replace", False)
+        self.partial = data[consumed:]
+        return text
+
     def final(self) -> str:
         if not self.partial:
             return ""
@@ -193,21 +206,31 @@ class IncrementalDetokenizer:
         byte_level = self._byte_level
         if (
             byte_level is not None
-            and not byte_level.partial
             and self._ignore_before is not None
             and self._stop_ids.isdisjoint(token_ids)
         ):
             # Fast path, almost every chunk: byte-level tokenizer, no stop token in the chunk,
-            # min_tokens reached, and every token complete UTF-8 on its own.
-            found = list(map(byte_level.lookup, token_ids))
-            if None not in found:
-                pieces = cast("list[str]", found)
-                num_before = self._num_tokens
-                self._num_tokens = num_before + len(pieces)
-                if not self._has_stops:  # then nothing is ever pending
-                    text = "".join(pieces)
+            # min_tokens reached.
+            if not self._has_stops:  # then nothing is ever pending: the chunk's text at once
+                text = byte_level.chunk(token_ids)
+                if text is not None:
+                    self._num_tokens += len(token_ids)
                     self._emitted += len(text)
                     return _tuple_new(DeltaResult, (text, None))
+            else:  # one piece per token, for the stop strings' token count
+                if byte_level.partial:
+                    pieces = list(map(byte_level.step, token_ids))
+                else:
+                    # Tokens complete UTF-8 on their own are a table lookup; from the first
+                    # one that is not (a byte of a multi-byte character), the decoder's step.
+                    found = list(map(byte_level.lookup, token_ids))
+                    if None in found:
+                        first = found.index(None)
+                        del found[first:]
+                        found += map(byte_level.step, token_ids[first:])
+                    pieces = cast("list[str]", found)
+                num_before = self._num_tokens
+                self._num_tokens = num_before + len(pieces)
                 return self._emit(pieces, num_before)
         return self._add_each(token_ids)
 

@@ -48,3 +48,49 @@ def test_bad_input_is_refused_as_random_choices_refuses_it(native: ModuleType) -
         native.choices(random.Random(0), 5, 2)
     with pytest.raises(AttributeError):
         native.choices(object(), [1], 1)
+
+
+class WithState(random.Random):
+    """A subclass that keeps the built-in ``random`` (drawn in place) and adds a field."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.label = "x"
+
+
+def test_the_built_in_generator_is_drawn_in_place_with_its_own_values(
+    native: ModuleType,
+) -> None:
+    assert native.in_place()  # CPython's layout matched at import on this interpreter
+    for make in (random.Random, WithState):
+        a, b = make(7), make(7)
+        for k in (1, 3, 311, 624, 625, 2000):  # across the state's regenerations
+            assert native.choices(a, range(10**6), k) == py.choices(b, range(10**6), k)
+            assert a.getstate() == b.getstate()
+        assert a.random() == b.random()  # the generator goes on where the draws left it
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_extended_is_the_head_then_the_same_draws(native: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    population = list(range(100, 100 + rng.randint(1, 900)))
+    head = [rng.randrange(10**9) for _ in range(rng.randint(0, 300))]
+    for make in (random.Random, Skewed):
+        a, b = make(seed), make(seed)
+        for total in (0, 1, len(head) // 2, len(head), len(head) + 1, len(head) + 200):
+            got = native.extended(a, population, head, total)
+            assert got == py.extended(b, population, head, total)
+            assert len(got) == total and got[: min(total, len(head))] == head[:total]
+            assert a.getstate() == b.getstate()
+    assert native.extended(a, population, tuple(head), 5) == py.extended(b, population, head, 5)
+
+
+def test_extended_refuses_what_its_twin_refuses(native: ModuleType) -> None:
+    for impl in (native, py):
+        with pytest.raises(ValueError):
+            impl.extended(random.Random(0), [1], [1, 2], -1)
+        with pytest.raises(IndexError):
+            impl.extended(random.Random(0), [], [1], 2)
+        assert impl.extended(random.Random(0), [], [1, 2], 1) == [1]
+    with pytest.raises(TypeError):
+        native.extended(random.Random(0), [1], 5, 2)

@@ -271,6 +271,17 @@ def test_random_long_stream_matches_decode(demo_tokenizer: Tokenizer) -> None:
     )
 
 
+def test_random_long_stream_with_a_stop_string_matches_decode(demo_tokenizer: Tokenizer) -> None:
+    """Random ids with a stop string that never occurs: the per-token pieces (kept for the stop
+    strings' token count) join to decode()'s text, split multi-byte characters included."""
+    rng = random.Random(11)
+    ids = [rng.randrange(demo_tokenizer.vocab_size) for _ in range(3000)]
+    cuts = sorted(rng.sample(range(1, 3000), 400))
+    detok = IncrementalDetokenizer(demo_tokenizer, stop=["\x00\x01"])
+    assert stream(detok, ids, cuts)[1] == demo_tokenizer.decode(ids)
+    assert detok.num_tokens == len(ids)
+
+
 @HYPOTHESIS
 @given(text=TEXT, data=st.data())
 def test_stop_strings_eos_and_min_tokens_together(
