@@ -55,7 +55,8 @@ static DynSlots seq_slots = DYN_SLOTS_OF(field_names);
 
 /* Names of the collaborators' attributes and methods (interned at import). */
 static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_blocks, *s_use,
-    *s_allocate_unique, *s_promote_run, *s_release, *s_drain_events, *s_enable_prefix_caching,
+    *s_allocate_unique, *s_promote_run, *s_release, *s_drain_events,
+    *s_drain_raw_events, *s_raw_events, *s_enable_prefix_caching,
     *s_max_num_batched_tokens, *s_block_size, *s_preemption_mode, *s_max_num_seqs,
     *s_enable_chunked_prefill, *s_popleft, *s_appendleft, *s_announce_kw, *s_num_cached_tokens;
 
@@ -1098,9 +1099,9 @@ retire(PyObject *kv, PyObject *finished, PyObject *running, PyObject *requests)
     return rc;
 }
 
-/* update_pass(entries, sampled, running, requests, kv, block_size): see _pass.pyi. */
+/* update_pass's work; its events are ``kv.<drain>()``. */
 static PyObject *
-update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
 {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
@@ -1149,8 +1150,7 @@ update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_GET_SIZE(finished) > 0 && retire(kv, finished, running, requests) < 0)
         goto done;
     PyObject *argv[1] = {kv};
-    events =
-        PyObject_VectorcallMethod(s_drain_events, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    events = PyObject_VectorcallMethod(drain, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (events == NULL)
         goto done;
     result = PyTuple_Pack(3, tokens_out, finished, events);
@@ -1159,6 +1159,13 @@ done:
     Py_XDECREF(finished);
     Py_XDECREF(events);
     return result;
+}
+
+/* update_pass(entries, sampled, running, requests, kv, block_size): see _pass.pyi. */
+static PyObject *
+update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return update_with(args, nargs, s_drain_events);
 }
 
 /* mock_pass(running, waiting, requests, kv, config, now, transfer_seconds, vocab_size,
@@ -1185,7 +1192,9 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         (block_size = PyObject_GetAttr(config, s_block_size)) == NULL)
         goto done;
     PyObject *uargs[6] = {entries, sampled, running, requests, kv, block_size};
-    if ((applied = update_pass(module, uargs, 6)) == NULL)
+    int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */
+    if (raw < 0 || (applied = update_with(uargs, 6, raw ? s_drain_raw_events : s_drain_events)) ==
+                       NULL)
         goto done;
     result = PyTuple_Pack(7, PyTuple_GET_ITEM(planned, 1), PyTuple_GET_ITEM(planned, 2),
                           PyTuple_GET_ITEM(planned, 3), PyTuple_GET_ITEM(planned, 4),
@@ -1238,6 +1247,8 @@ PyInit__pass(void)
     INTERN(s_promote_run, "promote_run");
     INTERN(s_release, "release");
     INTERN(s_drain_events, "drain_events");
+    INTERN(s_drain_raw_events, "drain_raw_events");
+    INTERN(s_raw_events, "raw_events");
     INTERN(s_enable_prefix_caching, "enable_prefix_caching");
     INTERN(s_max_num_batched_tokens, "max_num_batched_tokens");
     INTERN(s_block_size, "block_size");

@@ -122,11 +122,15 @@ class RoutingCore:
             return EventStatus.OK
         return self.indexer.apply(worker_id, event)
 
-    def apply_events(self, worker_id: int, events: Sequence[KVCacheEvent]) -> None:
+    def apply_events(self, worker_id: int, events: Sequence[KVCacheEvent] | bytes) -> None:
         """:meth:`apply_event` each of ``events`` in order, in one call (the offline replay's
-        pass end). Gaps start recovery in the indexer as with one event at a time."""
+        pass end). Gaps start recovery in the indexer as with one event at a time. ``bytes``:
+        the events in their raw form (``dynamo.protocol.kv_raw``, ``KVIndexer.apply_raw``)."""
         if self.indexer is not None:
-            self.indexer.apply_events(worker_id, events)
+            if isinstance(events, bytes):
+                self.indexer.apply_raw(worker_id, events)
+            else:
+                self.indexer.apply_events(worker_id, events)
 
     # -- routing ---------------------------------------------------------------------------
     def route(
