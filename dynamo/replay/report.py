@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo.replay.simulator import Flight
+from dynamo.replay.flight import Flight
 
 PLOT_BINS = 50
 

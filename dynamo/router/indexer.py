@@ -191,6 +191,11 @@ class KVIndexer:
         """(worker_id, dp_rank) -> leading blocks of ``local_hashes`` it holds; zeros omitted."""
         return self._slots.to_keys(self._tree.find_matches(local_hashes))
 
+    def slot_matches(self, local_hashes: Sequence[int]) -> tuple[dict[int, int], list[WorkerKey]]:
+        """:meth:`find_matches` before re-keying: slot -> leading blocks, and the live slot ->
+        (worker_id, dp_rank) list to read the slots with (valid until the membership changes)."""
+        return self._tree.find_matches(local_hashes), self._slots.key_list()
+
     def remove_worker(self, worker_id: int) -> None:
         """Forget every rank of a worker (it left discovery): blocks, ids, recovery state."""
         for key in [k for k in self._ranks if k[0] == worker_id]:
