@@ -793,6 +793,25 @@ admit_waiting(Pass *ps)
     }
 }
 
+/* A tuple of ``items`` (borrowed objects, or NULL: the next of the ``ints``): built directly,
+ * as ``Py_BuildValue`` parses its format for every tuple (~5x the work, once per batch entry). */
+static PyObject *
+tuple_of(Py_ssize_t n, PyObject *const *items, const Py_ssize_t *ints)
+{
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = items[i] ? Py_NewRef(items[i]) : PyLong_FromSsize_t(*ints++);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
 /* schedule_pass(running, waiting, kv, config, now, transfer_seconds): see _pass.pyi. */
 static PyObject *
 schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -864,13 +883,16 @@ schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         } else {
             prefill += n;
         }
-        PyObject *entry = Py_BuildValue("(On)", seq, n);
+        PyObject *items[2] = {seq, NULL};
+        PyObject *entry = tuple_of(2, items, &n);
         int rc = entry == NULL ? -1 : PyList_Append(entries, entry);
         Py_XDECREF(entry);
         if (rc < 0)
             goto done;
     }
-    result = Py_BuildValue("(OOnnn)", entries, ps.preempted, prefill, decodes, context);
+    PyObject *items[5] = {entries, ps.preempted, NULL, NULL, NULL};
+    Py_ssize_t figures[3] = {prefill, decodes, context};
+    result = tuple_of(5, items, figures);
 done:
     plan_free(&ps.plan);
     Py_XDECREF(ps.preempted);

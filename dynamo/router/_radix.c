@@ -841,6 +841,22 @@ raw_apply_one(Tree *t, uint32_t slot, const uint64_t *w, Py_ssize_t nvalues)
     return rc;
 }
 
+/* (a, b, c) as a tuple of ints (built directly: Py_BuildValue parses its format each time) */
+static PyObject *
+three_counts(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c)
+{
+    PyObject *t = PyTuple_New(3);
+    Py_ssize_t v[3] = {a, b, c};
+    for (int i = 0; t != NULL && i < 3; i++) {
+        PyObject *x = PyLong_FromSsize_t(v[i]);
+        if (x == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
 static PyObject *
 Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -857,7 +873,7 @@ Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t len = PyBytes_GET_SIZE(args[1]), nw = len / 8, ok = 0, parent = 0, block = 0;
     if (len == 0)
-        return Py_BuildValue("(nnn)", ok, parent, block);
+        return three_counts(ok, parent, block);
     /* a bytes object's data follows its 32-byte header: 8-byte aligned */
     const uint64_t *w = (const uint64_t *)PyBytes_AS_STRING(args[1]);
     Py_ssize_t at = RAW_HEADER, nvalues;
@@ -882,7 +898,7 @@ Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
             block++;
         at = end;
     }
-    return Py_BuildValue("(nnn)", ok, parent, block);
+    return three_counts(ok, parent, block);
 }
 
 static void
