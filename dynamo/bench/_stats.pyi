@@ -13,3 +13,8 @@ def figures(values: list[float], scale: float) -> Figures | None:
     that is not an exact float or int, a scale that is not a float): the caller then uses
     the twin. TypeError if ``values`` is not a list; OverflowError for an int too large for a
     float."""
+
+def figures_joined(lists: list[list[float]], scale: float) -> Figures | None:
+    """``figures`` of the lists' items in order (``itertools.chain`` of them), read from the
+    lists themselves; None, besides ``figures``' cases, when an item of ``lists`` is not a
+    list. TypeError if ``lists`` is not a list."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import chain, repeat
 
 Figures = tuple[
     int, float | None, float | None, float | None, float | None, float | None, float | None
@@ -42,3 +42,8 @@ def figures(values: list[float], scale: float) -> Figures | None:
         percentile(ordered, 99),
         ordered[-1],
     )
+
+
+def figures_joined(lists: list[list[float]], scale: float) -> Figures | None:
+    """``figures`` of the lists' items, in order (a series kept per request, as the ITLs)."""
+    return figures(list(chain.from_iterable(lists)), scale)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,9 @@ _LATENCY_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms")
 _NOT_COMPARED = ("config", "date", "server", "error_examples", "version")
 
 
-_impl = native.load("dynamo.bench._stats", "dynamo.bench._stats_fallback", requires=("figures",))
+_impl = native.load(
+    "dynamo.bench._stats", "dynamo.bench._stats_fallback", requires=("figures", "figures_joined")
+)
 STATS_IMPLEMENTATION: str = _impl.__name__
 """The module computing :func:`stats` (``dynamo.bench._stats`` or its fallback)."""
 _FIGURES = ("count", "mean", "min", "p50", "p90", "p99", "max")
@@ -44,6 +45,19 @@ def stats(values: Iterable[float], scale: float = 1.0) -> dict[str, float | int 
     figures = _impl.figures(data, scale)
     if figures is None:  # the native module defers (a NaN, an unusual type): the definition
         figures = _stats_fallback.figures(data, scale)
+    return _as_dict(figures)
+
+
+def stats_joined(series: list[list[float]], scale: float = 1.0) -> dict[str, float | int | None]:
+    """:func:`stats` of the series' values in order (one list per request, as the ITLs), read
+    from the lists themselves (no joined list first)."""
+    figures = _impl.figures_joined(series, scale)
+    if figures is None:  # the native module defers: the definition
+        figures = _stats_fallback.figures_joined(series, scale)
+    return _as_dict(figures)
+
+
+def _as_dict(figures: _stats_fallback.Figures) -> dict[str, float | int | None]:
     if not figures[0]:
         return dict.fromkeys(("mean", "min", "p50", "p90", "p99", "max"), None) | {"count": 0}
     return dict(zip(_FIGURES, figures, strict=True))
@@ -81,7 +95,7 @@ def summarize(
         "output_token_throughput_tps": output_total / window,
         "input_token_throughput_tps": prompt_total / window,
         "ttft_ms": stats((r.ttft for r in ok if r.ttft is not None), 1000.0),
-        "itl_ms": stats(chain.from_iterable([r.itl for r in ok]), 1000.0),
+        "itl_ms": stats_joined([r.itl for r in ok], 1000.0),
         "tpot_ms": stats((t for r in ok if (t := r.tpot) is not None), 1000.0),
         "e2e_latency_ms": stats((r.e2e for r in ok), 1000.0),
         "input_tokens": stats(r.prompt_tokens or 0 for r in with_usage),

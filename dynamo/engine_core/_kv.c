@@ -17,6 +17,10 @@
  * list). One open-addressing table maps a sequence hash to its slot. Hashes are 64-bit ints in
  * [-2**63, 2**64) and come back as given.
  *
+ * Events are KVCacheEvent structs, or (``record_raw_events``: the offline replay, whose index
+ * is in-process) one buffer of words a drain (dynamo/protocol/kv_raw.py), written as the
+ * blocks change: no object per event or block.
+ *
  * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native``
  * picks one) and tests/unit/engine_core/test_kv_native.py holds the two to the same events and
  * state on random operation sequences.
@@ -59,6 +63,14 @@ typedef struct {
     Py_ssize_t n_full_active, n_inactive, n_unique;
     PyObject *events;
     long long next_event_id;
+    /* the raw form (dynamo/protocol/kv_raw.py) when recorded: words, a negative flag per
+     * word, the events in it and the first one's id */
+    char raw;
+    uint64_t raw_dp_rank;
+    uint64_t *rw;
+    uint8_t *rneg;
+    size_t rlen, rcap;
+    long long rcount, rfirst;
 } KV;
 
 static PyObject *cls_stored, *cls_removed, *cls_block, *cls_event;
@@ -294,6 +306,135 @@ stored_block(PyObject *hash, PyObject *local)
     return PyObject_Vectorcall(cls_block, args, 2, NULL);
 }
 
+/* ---- the raw form (dynamo/protocol/kv_raw.py: the layout) ------------------------------ */
+
+enum { RAW_STORED = 1, RAW_REMOVED = 2, RAW_HAS_PARENT = 4, RAW_NEG = 8, RAW_HEADER = 3 };
+
+static int
+raw_reserve(KV *kv, size_t extra)
+{
+    if (kv->rlen + extra <= kv->rcap)
+        return 0;
+    size_t cap = kv->rcap ? kv->rcap : 64;
+    while (cap < kv->rlen + extra)
+        cap *= 2;
+    uint64_t *w = PyMem_Realloc(kv->rw, cap * sizeof(uint64_t));
+    if (w == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv->rw = w;
+    uint8_t *g = PyMem_Realloc(kv->rneg, cap);
+    if (g == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv->rneg = g;
+    kv->rcap = cap;
+    return 0;
+}
+
+static int
+raw_word(KV *kv, uint64_t v, uint8_t neg)
+{
+    if (raw_reserve(kv, 1) < 0)
+        return -1;
+    kv->rw[kv->rlen] = v;
+    kv->rneg[kv->rlen++] = neg;
+    return 0;
+}
+
+/* Start an event: its head word's place (filled by raw_end), or -1. */
+static Py_ssize_t
+raw_begin(KV *kv)
+{
+    if (kv->rlen == 0 && (raw_word(kv, kv->raw_dp_rank, 0) < 0 || raw_word(kv, 0, 0) < 0 ||
+                          raw_word(kv, 0, 0) < 0))
+        return -1;
+    Py_ssize_t head = (Py_ssize_t)kv->rlen;
+    return raw_word(kv, 0, 0) < 0 ? -1 : head;
+}
+
+/* Close the event begun at ``head``: its flags and, if a value was negative, the flag words. */
+static int
+raw_end(KV *kv, Py_ssize_t head, uint64_t kind, Py_ssize_t n)
+{
+    size_t start = (size_t)head + 1, end = kv->rlen, any = 0;
+    for (size_t i = start; i < end; i++)
+        any |= kv->rneg[i];
+    if (any) {
+        if (raw_reserve(kv, end - start) < 0)
+            return -1;
+        for (size_t i = start; i < end; i++) {
+            kv->rw[kv->rlen] = kv->rneg[i];
+            kv->rneg[kv->rlen++] = 0;
+        }
+        kind |= RAW_NEG;
+    }
+    kv->rw[head] = kind | ((uint64_t)n << 8);
+    if (kv->rcount++ == 0)
+        kv->rfirst = kv->next_event_id;
+    kv->next_event_id++;
+    return 0;
+}
+
+/* One Stored event under construction: its blocks as StoredBlock objects, or in the raw form. */
+typedef struct {
+    PyObject *list;   /* objects: the blocks so far */
+    PyObject *parent; /* objects: borrowed (the caller's arguments hold it) */
+    Py_ssize_t head;  /* raw: the head word's place */
+    Py_ssize_t n;
+    int open;
+} Run;
+
+/* Add the block (hash, local) to the run, opening it under ``parent`` if it is not open. */
+static int
+run_add(KV *kv, Run *r, PyObject *parent, PyObject *hash, PyObject *local)
+{
+    if (!kv->raw) {
+        if (!r->open) {
+            if ((r->list = PyList_New(0)) == NULL)
+                return -1;
+            r->parent = parent;
+            r->open = 1;
+        }
+        PyObject *blk = stored_block(hash, local);
+        int rc = blk == NULL ? -1 : PyList_Append(r->list, blk);
+        Py_XDECREF(blk);
+        return rc;
+    }
+    uint64_t k;
+    uint8_t ng;
+    if (!r->open) {
+        r->n = 0;
+        r->parent = parent;
+        if ((r->head = raw_begin(kv)) < 0 ||
+            (parent != Py_None && (need_key(parent, &k, &ng) < 0 || raw_word(kv, k, ng) < 0)))
+            return -1;
+        r->open = 1;
+    }
+    if (need_key(hash, &k, &ng) < 0 || raw_word(kv, k, ng) < 0 || need_key(local, &k, &ng) < 0 ||
+        raw_word(kv, k, ng) < 0)
+        return -1;
+    r->n++;
+    return 0;
+}
+
+/* Emit the open run's Stored event (nothing if none is open). */
+static int
+run_close(KV *kv, Run *r)
+{
+    if (!r->open)
+        return 0;
+    r->open = 0;
+    if (kv->raw)
+        return raw_end(kv, r->head, RAW_STORED | (r->parent != Py_None ? RAW_HAS_PARENT : 0),
+                       r->n);
+    int rc = emit_stored(kv, r->parent, r->list);
+    Py_CLEAR(r->list);
+    return rc;
+}
+
 /* Evict LRU inactive blocks until n slots are free (one Removed event for the announced). */
 static int
 make_room(KV *kv, Py_ssize_t n)
@@ -304,6 +445,7 @@ make_room(KV *kv, Py_ssize_t n)
     PyObject *evicted = PyList_New(0);
     if (evicted == NULL)
         return -1;
+    Py_ssize_t head = -1, nraw = 0;
     for (Py_ssize_t k = 0; k < n - free; k++) {
         int32_t s = kv->lru_head;
         if (s < 0) {
@@ -318,6 +460,14 @@ make_room(KV *kv, Py_ssize_t n)
         kv->free_slots[kv->nfree++] = s;
         if (e->silent)
             continue;
+        if (kv->raw) {
+            if ((head < 0 && (head = raw_begin(kv)) < 0) || raw_word(kv, e->hash, e->neg) < 0) {
+                Py_DECREF(evicted);
+                return -1;
+            }
+            nraw++;
+            continue;
+        }
         PyObject *h = key_obj(e->hash, e->neg);
         if (h == NULL || PyList_Append(evicted, h) < 0) {
             Py_XDECREF(h);
@@ -327,6 +477,8 @@ make_room(KV *kv, Py_ssize_t n)
         Py_DECREF(h);
     }
     int rc = 0;
+    if (head >= 0)
+        rc = raw_end(kv, head, RAW_REMOVED, nraw);
     if (PyList_GET_SIZE(evicted) > 0) {
         PyObject *args[1] = {evicted};
         PyObject *data = PyObject_Vectorcall(cls_removed, args, 0, kw_removed);
@@ -547,7 +699,8 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
         Py_DECREF(seq);
         return NULL;
     }
-    PyObject *res = NULL, *run = NULL;
+    PyObject *res = NULL;
+    Run run = {0};
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     PyObject *const *litems = PySequence_Fast_ITEMS(lseq);
@@ -595,7 +748,6 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
     }
     if (make_room(kv, nabsent) < 0)
         goto done;
-    Py_ssize_t run_start = 0;
     for (Py_ssize_t k = 0; k < nabsent; k++) {
         Py_ssize_t i = absent[k];
         int32_t s = map_get(kv, keys[i]);
@@ -611,29 +763,15 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
         }
         if (!announce)
             continue;
-        if (run == NULL) {
-            run = PyList_New(0);
-            if (run == NULL)
-                goto done;
-            run_start = i;
-        }
-        PyObject *blk = stored_block(items[i], litems[i]);
-        if (blk == NULL || PyList_Append(run, blk) < 0) {
-            Py_XDECREF(blk);
+        /* a run's parent: the block before its first */
+        if (run_add(kv, &run, i > 0 ? items[i - 1] : Py_None, items[i], litems[i]) < 0 ||
+            ((k + 1 == nabsent || absent[k + 1] != i + 1) && run_close(kv, &run) < 0))
             goto done;
-        }
-        Py_DECREF(blk);
-        if (k + 1 == nabsent || absent[k + 1] != i + 1) {
-            PyObject *parent = run_start > 0 ? items[run_start - 1] : Py_None;
-            if (emit_stored(kv, parent, run) < 0)
-                goto done;
-            Py_CLEAR(run);
-        }
     }
     res = Py_None;
     Py_INCREF(res);
 done:
-    Py_XDECREF(run);
+    Py_XDECREF(run.list);
     PyMem_Free(keys);
     PyMem_Free(negs);
     PyMem_Free(absent);
@@ -695,7 +833,8 @@ KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
                         "promote_run(unique_ids, block_hashes, local_hashes, parent)");
         return NULL;
     }
-    PyObject *useq = NULL, *hseq = NULL, *lseq = NULL, *run = NULL, *res = NULL;
+    PyObject *useq = NULL, *hseq = NULL, *lseq = NULL, *res = NULL;
+    Run run = {0};
     useq = PySequence_Fast(args[0], "unique_ids must be a sequence");
     hseq = useq ? PySequence_Fast(args[1], "block_hashes must be a sequence") : NULL;
     lseq = hseq ? PySequence_Fast(args[2], "local_hashes must be a sequence") : NULL;
@@ -735,31 +874,20 @@ KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
             }
             e->refcount++;
             kv->free_slots[kv->nfree++] = u;
-            if (run != NULL) {
-                if (emit_stored(kv, run_parent, run) < 0)
-                    goto done;
-                Py_CLEAR(run);
-            }
+            if (run_close(kv, &run) < 0)
+                goto done;
             run_parent = hs[i];
             continue;
         }
-        if (store_full(kv, u, h, neg, ls[i], 0) < 0)
+        if (store_full(kv, u, h, neg, ls[i], 0) < 0 || run_add(kv, &run, run_parent, hs[i], ls[i]) < 0)
             goto done;
-        if (run == NULL && (run = PyList_New(0)) == NULL)
-            goto done;
-        PyObject *blk = stored_block(hs[i], ls[i]);
-        if (blk == NULL || PyList_Append(run, blk) < 0) {
-            Py_XDECREF(blk);
-            goto done;
-        }
-        Py_DECREF(blk);
     }
-    if (run != NULL && emit_stored(kv, run_parent, run) < 0)
+    if (run_close(kv, &run) < 0)
         goto done;
     res = Py_None;
     Py_INCREF(res);
 done:
-    Py_XDECREF(run);
+    Py_XDECREF(run.list);
     Py_XDECREF(useq);
     Py_XDECREF(hseq);
     Py_XDECREF(lseq);
@@ -847,12 +975,64 @@ done:
 static PyObject *
 KV_drain_events(KV *kv, PyObject *Py_UNUSED(ignored))
 {
+    if (kv->raw) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this KV manager records raw events: drain_raw_events");
+        return NULL;
+    }
     PyObject *fresh = PyList_New(0);
     if (fresh == NULL)
         return NULL;
     PyObject *events = kv->events;
     kv->events = fresh;
     return events;
+}
+
+static PyObject *
+KV_drain_raw_events(KV *kv, PyObject *Py_UNUSED(ignored))
+{
+    if (!kv->raw) {
+        PyErr_SetString(PyExc_RuntimeError, "this KV manager does not record raw events");
+        return NULL;
+    }
+    if (kv->rcount == 0) {
+        kv->rlen = 0;
+        return PyBytes_FromStringAndSize(NULL, 0);
+    }
+    kv->rw[1] = (uint64_t)kv->rfirst;
+    kv->rw[2] = (uint64_t)kv->rcount;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)kv->rw,
+                                              (Py_ssize_t)(kv->rlen * sizeof(uint64_t)));
+    if (out != NULL)
+        kv->rlen = 0, kv->rcount = 0;
+    return out;
+}
+
+static PyObject *
+KV_record_raw_events(KV *kv, PyObject *Py_UNUSED(ignored))
+{
+    if (PyList_GET_SIZE(kv->events) > 0) {
+        PyErr_SetString(PyExc_RuntimeError, "drain the pending events first");
+        return NULL;
+    }
+    uint64_t rank;
+    uint8_t neg;
+    int rc = to_key(kv->dp_rank, &rank, &neg);
+    if (rc < 0)
+        return NULL;
+    if (rc == 0 || neg) {
+        PyErr_SetString(PyExc_ValueError, "raw events need a dp_rank in [0, 2**64)");
+        return NULL;
+    }
+    kv->raw_dp_rank = rank;
+    kv->raw = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+KV_raw_events(KV *kv, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(kv->raw);
 }
 
 static PyObject *
@@ -978,6 +1158,8 @@ KV_dealloc(KV *kv)
     PyMem_Free(kv->e);
     PyMem_Free(kv->free_slots);
     PyMem_Free(kv->map);
+    PyMem_Free(kv->rw);
+    PyMem_Free(kv->rneg);
     Py_XDECREF(kv->events);
     Py_XDECREF(kv->dp_rank);
     Py_TYPE(kv)->tp_free((PyObject *)kv);
@@ -998,6 +1180,8 @@ static PyMethodDef KV_methods[] = {
     {"promote_run", (PyCFunction)(void (*)(void))KV_promote_run, METH_FASTCALL, NULL},
     {"release", (PyCFunction)(void (*)(void))KV_release, METH_FASTCALL, NULL},
     {"drain_events", (PyCFunction)KV_drain_events, METH_NOARGS, NULL},
+    {"drain_raw_events", (PyCFunction)KV_drain_raw_events, METH_NOARGS, NULL},
+    {"record_raw_events", (PyCFunction)KV_record_raw_events, METH_NOARGS, NULL},
     {"check_invariants", (PyCFunction)KV_check_invariants, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -1006,6 +1190,7 @@ static PyGetSetDef KV_getset[] = {
     {"num_active_blocks", (getter)KV_num_active_blocks, NULL, NULL, NULL},
     {"num_inactive_blocks", (getter)KV_num_inactive_blocks, NULL, NULL, NULL},
     {"num_available_blocks", (getter)KV_num_available_blocks, NULL, NULL, NULL},
+    {"raw_events", (getter)KV_raw_events, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

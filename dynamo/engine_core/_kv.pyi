@@ -100,6 +100,19 @@ class KVManager:
         not active (the blocks after it in the chain are released).
         """
     def drain_events(self) -> list[KVCacheEvent]:
-        """Events produced since the last drain, in order (the engine publishes them per pass)."""
+        """Events produced since the last drain, in order (the engine publishes them per pass).
+        ``RuntimeError`` once the manager records raw events."""
+    @property
+    def raw_events(self) -> bool:
+        """Whether events are recorded in the raw form (``record_raw_events``)."""
+    def record_raw_events(self) -> None:
+        """From now on record the events in the raw form (``dynamo.protocol.kv_raw``: one
+        buffer of words a drain, no object per event or block) for an in-process consumer (the
+        offline replay's index); the live engines publish the structs. ``RuntimeError`` if
+        events are pending, ``ValueError`` if ``dp_rank`` is not in ``[0, 2**64)``."""
+    def drain_raw_events(self) -> bytes:
+        """The raw form of the events since the last drain (``b""``: none): exactly
+        ``kv_raw.encode`` of what ``drain_events`` would have returned. ``RuntimeError`` unless
+        the manager records raw events."""
     def check_invariants(self) -> None:
         """Raise AssertionError if the pools are inconsistent."""

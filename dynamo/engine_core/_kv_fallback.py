@@ -14,6 +14,7 @@ from dynamo.protocol.kv_events import (
     KVCacheEventData,
     StoredBlock,
 )
+from dynamo.protocol.kv_raw import encode
 
 
 class KVManager:
@@ -59,6 +60,7 @@ class KVManager:
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._events: list[KVCacheEvent] = []
         self._next_event_id = 0
+        self._raw = False
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -235,8 +237,29 @@ class KVManager:
 
     def drain_events(self) -> list[KVCacheEvent]:
         """Events produced since the last drain, in order (the engine publishes them per pass)."""
+        if self._raw:
+            raise RuntimeError("this KV manager records raw events: drain_raw_events")
         events, self._events = self._events, []
         return events
+
+    @property
+    def raw_events(self) -> bool:
+        return self._raw
+
+    def record_raw_events(self) -> None:
+        """From now on record the events in the raw form (``dynamo.protocol.kv_raw``)."""
+        if self._events:
+            raise RuntimeError("drain the pending events first")
+        if not 0 <= self.dp_rank < 1 << 64:
+            raise ValueError("raw events need a dp_rank in [0, 2**64)")
+        self._raw = True
+
+    def drain_raw_events(self) -> bytes:
+        """The raw form of the events since the last drain (``b""``: none)."""
+        if not self._raw:
+            raise RuntimeError("this KV manager does not record raw events")
+        events, self._events = self._events, []
+        return encode(events)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pools are inconsistent."""

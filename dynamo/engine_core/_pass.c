@@ -55,7 +55,8 @@ static DynSlots seq_slots = DYN_SLOTS_OF(field_names);
 
 /* Names of the collaborators' attributes and methods (interned at import). */
 static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_blocks, *s_use,
-    *s_allocate_unique, *s_promote_run, *s_release, *s_drain_events, *s_enable_prefix_caching,
+    *s_allocate_unique, *s_promote_run, *s_release, *s_drain_events,
+    *s_drain_raw_events, *s_raw_events, *s_enable_prefix_caching,
     *s_max_num_batched_tokens, *s_block_size, *s_preemption_mode, *s_max_num_seqs,
     *s_enable_chunked_prefill, *s_popleft, *s_appendleft, *s_announce_kw, *s_num_cached_tokens;
 
@@ -792,6 +793,25 @@ admit_waiting(Pass *ps)
     }
 }
 
+/* A tuple of ``items`` (borrowed objects, or NULL: the next of the ``ints``): built directly,
+ * as ``Py_BuildValue`` parses its format for every tuple (~5x the work, once per batch entry). */
+static PyObject *
+tuple_of(Py_ssize_t n, PyObject *const *items, const Py_ssize_t *ints)
+{
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = items[i] ? Py_NewRef(items[i]) : PyLong_FromSsize_t(*ints++);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
 /* schedule_pass(running, waiting, kv, config, now, transfer_seconds): see _pass.pyi. */
 static PyObject *
 schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -863,13 +883,16 @@ schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         } else {
             prefill += n;
         }
-        PyObject *entry = Py_BuildValue("(On)", seq, n);
+        PyObject *items[2] = {seq, NULL};
+        PyObject *entry = tuple_of(2, items, &n);
         int rc = entry == NULL ? -1 : PyList_Append(entries, entry);
         Py_XDECREF(entry);
         if (rc < 0)
             goto done;
     }
-    result = Py_BuildValue("(OOnnn)", entries, ps.preempted, prefill, decodes, context);
+    PyObject *items[5] = {entries, ps.preempted, NULL, NULL, NULL};
+    Py_ssize_t figures[3] = {prefill, decodes, context};
+    result = tuple_of(5, items, figures);
 done:
     plan_free(&ps.plan);
     Py_XDECREF(ps.preempted);
@@ -1098,9 +1121,9 @@ retire(PyObject *kv, PyObject *finished, PyObject *running, PyObject *requests)
     return rc;
 }
 
-/* update_pass(entries, sampled, running, requests, kv, block_size): see _pass.pyi. */
+/* update_pass's work; its events are ``kv.<drain>()``. */
 static PyObject *
-update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
 {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
@@ -1149,8 +1172,7 @@ update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_GET_SIZE(finished) > 0 && retire(kv, finished, running, requests) < 0)
         goto done;
     PyObject *argv[1] = {kv};
-    events =
-        PyObject_VectorcallMethod(s_drain_events, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    events = PyObject_VectorcallMethod(drain, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (events == NULL)
         goto done;
     result = PyTuple_Pack(3, tokens_out, finished, events);
@@ -1159,6 +1181,13 @@ done:
     Py_XDECREF(finished);
     Py_XDECREF(events);
     return result;
+}
+
+/* update_pass(entries, sampled, running, requests, kv, block_size): see _pass.pyi. */
+static PyObject *
+update_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return update_with(args, nargs, s_drain_events);
 }
 
 /* mock_pass(running, waiting, requests, kv, config, now, transfer_seconds, vocab_size,
@@ -1185,7 +1214,9 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         (block_size = PyObject_GetAttr(config, s_block_size)) == NULL)
         goto done;
     PyObject *uargs[6] = {entries, sampled, running, requests, kv, block_size};
-    if ((applied = update_pass(module, uargs, 6)) == NULL)
+    int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */
+    if (raw < 0 || (applied = update_with(uargs, 6, raw ? s_drain_raw_events : s_drain_events)) ==
+                       NULL)
         goto done;
     result = PyTuple_Pack(7, PyTuple_GET_ITEM(planned, 1), PyTuple_GET_ITEM(planned, 2),
                           PyTuple_GET_ITEM(planned, 3), PyTuple_GET_ITEM(planned, 4),
@@ -1238,6 +1269,8 @@ PyInit__pass(void)
     INTERN(s_promote_run, "promote_run");
     INTERN(s_release, "release");
     INTERN(s_drain_events, "drain_events");
+    INTERN(s_drain_raw_events, "drain_raw_events");
+    INTERN(s_raw_events, "raw_events");
     INTERN(s_enable_prefix_caching, "enable_prefix_caching");
     INTERN(s_max_num_batched_tokens, "max_num_batched_tokens");
     INTERN(s_block_size, "block_size");

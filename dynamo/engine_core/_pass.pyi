@@ -82,12 +82,19 @@ def mock_pass(
     vocab_size: int,
     excluded: frozenset[int],
 ) -> tuple[
-    list[Sequence], int, int, int, list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]
+    list[Sequence],
+    int,
+    int,
+    int,
+    list[tuple[Sequence, int]],
+    list[Sequence],
+    list[KVCacheEvent] | bytes,
 ]:
     """One whole mocker pass in one call: ``schedule_pass``, ``sample_tokens`` over its
     entries, ``update_pass`` with those ids. Returns ``(preempted, num_prefill_tokens,
     num_decodes, decode_context_tokens, tokens, finished, events)``: what the caller acts on
-    (its timing model takes the three figures)."""
+    (its timing model takes the three figures). ``events``: ``kv.drain_raw_events()`` when
+    ``kv.raw_events`` (one ``bytes``, ``dynamo.protocol.kv_raw``), else ``kv.drain_events()``."""
 
 def release_blocks(kv: KVManager, seq: Sequence) -> None:
     """Release ``seq``'s blocks (``kv.release``) and empty its ``full_blocks`` and

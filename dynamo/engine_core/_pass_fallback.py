@@ -206,15 +206,20 @@ def mock_pass(
     vocab_size: int,
     excluded: frozenset[int],
 ) -> tuple[
-    list[Sequence], int, int, int, list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]
+    list[Sequence],
+    int,
+    int,
+    int,
+    list[tuple[Sequence, int]],
+    list[Sequence],
+    list[KVCacheEvent] | bytes,
 ]:
     entries, preempted, prefill, decodes, context = schedule_pass(
         running, waiting, kv, config, now, transfer_seconds
     )
     sampled = sample_tokens(entries, vocab_size, excluded)
-    tokens, finished, events = update_pass(
-        entries, sampled, running, requests, kv, config.block_size
-    )
+    tokens, finished = _update(entries, sampled, running, requests, kv, config.block_size)
+    events = kv.drain_raw_events() if kv.raw_events else kv.drain_events()
     return preempted, prefill, decodes, context, tokens, finished, events
 
 
@@ -232,6 +237,19 @@ def update_pass(
     kv: KVManager,
     block_size: int,
 ) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[KVCacheEvent]]:
+    tokens_out, finished = _update(entries, sampled, running, requests, kv, block_size)
+    return tokens_out, finished, kv.drain_events()
+
+
+def _update(
+    entries: list[tuple[Sequence, int]],
+    sampled: list[int | None],
+    running: list[Sequence],
+    requests: dict[str, Sequence],
+    kv: KVManager,
+    block_size: int,
+) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    """``update_pass`` but its events (the caller drains them)."""
     if len(entries) != len(sampled):
         raise ValueError("sampled must have one item per batch entry")
     bs = block_size
@@ -260,7 +278,7 @@ def update_pass(
             release_blocks(kv, seq)
             del requests[seq.request_id]
         running[:] = [s for s in running if s.status is SequenceStatus.RUNNING]
-    return tokens_out, finished, kv.drain_events()
+    return tokens_out, finished
 
 
 def _promote_filled(kv: KVManager, seq: Sequence, bs: int) -> None:

@@ -185,12 +185,14 @@ class Scheduler:
         int,
         list[tuple[Sequence, int]],
         list[Sequence],
-        list[KVCacheEvent],
+        list[KVCacheEvent] | bytes,
     ]:
         """``schedule(now)``, the mocker's ids for the batch (``sample_tokens`` with
         ``vocab_size`` / ``excluded``) and ``update`` in one kernel call, for an engine that
         needs no batch in between (the mocker). Returns ``(preempted, num_prefill_tokens,
-        num_decodes, decode_context_tokens, tokens, finished, events)``."""
+        num_decodes, decode_context_tokens, tokens, finished, events)``; ``events`` are one
+        ``bytes`` (``dynamo.protocol.kv_raw``) once ``self.kv.record_raw_events()`` was called
+        (the offline replay)."""
         return mock_pass(
             self._running,
             self._waiting,

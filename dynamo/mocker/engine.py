@@ -379,6 +379,7 @@ class MockerEngine(LLMEngine):
 
     async def _publish(self, rank: _Rank, out: StepOutput) -> None:
         if out.events and self.kv_event_sink is not None:
+            assert isinstance(out.events, list), "the live mocker publishes the event structs"
             batch = KVEventBatch(worker_id=self.worker_id or 0, events=out.events)
             try:
                 await self.kv_event_sink(batch)

@@ -19,7 +19,8 @@ from dynamo.protocol.kv_events import KVCacheEvent
 @dataclass(slots=True)
 class StepOutput:
     """What one pass did. ``duration`` is clock seconds (0 at speedup 0); the tokens exist at
-    ``start + duration``. ``events`` are the KV events of the pass, in order."""
+    ``start + duration``. ``events`` are the KV events of the pass, in order (one ``bytes``,
+    ``dynamo.protocol.kv_raw``, once the KV manager records them raw: the offline replay)."""
 
     start: float
     duration: float = 0.0
@@ -29,7 +30,7 @@ class StepOutput:
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    events: list[KVCacheEvent] = field(default_factory=list)
+    events: list[KVCacheEvent] | bytes = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

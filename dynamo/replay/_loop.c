@@ -37,16 +37,29 @@ static const char *const rank_fields[] = {"sched", "pool", "state", "raw", "pass
 static const char *const pool_fields[] = {"core", "role", "queue"};
 static const char *const timing_fields[] = {"speedup_ratio", "decode_speedup_ratio",
                                             "total_kv_tokens"};
+/* A finished request's bookkeeping (``Simulation._retire`` and ``_finish``): flight.py's
+ * Flight, bench/request.py's RequestRecord, engine_core/sequence.py's Sequence. */
+static const char *const flight_fields[] = {"request_id", "record", "done", "tokens",
+                                            "spec",       "load",   "runner"};
+static const char *const record_fields[] = {"end", "status", "prompt_tokens", "cached_tokens",
+                                            "finish_reason"};
+static const char *const seq_fields[] = {"request_id", "num_prompt_tokens", "num_cached_tokens",
+                                         "finish_reason"};
 enum { RK_SCHED, RK_POOL, RK_STATE, RK_RAW, RK_PASSES, RK_WORKER_ID };
+enum { FL_REQUEST_ID, FL_RECORD, FL_DONE, FL_TOKENS, FL_SPEC, FL_LOAD, FL_RUNNER };
+enum { RC_END, RC_STATUS, RC_PROMPT_TOKENS, RC_CACHED_TOKENS, RC_FINISH_REASON };
+enum { SQ_REQUEST_ID, SQ_PROMPT_TOKENS, SQ_CACHED_TOKENS, SQ_FINISH_REASON };
 enum { PL_CORE, PL_ROLE, PL_QUEUE };
 enum { TM_SPEEDUP, TM_DECODE_SPEEDUP, TM_TOTAL_KV };
 static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields), pool_slots = DYN_SLOTS_OF(pool_fields),
-                timing_slots = DYN_SLOTS_OF(timing_fields);
+                timing_slots = DYN_SLOTS_OF(timing_fields),
+                flight_slots = DYN_SLOTS_OF(flight_fields),
+                record_slots = DYN_SLOTS_OF(record_fields), seq_slots = DYN_SLOTS_OF(seq_fields);
 
 static PyObject *s_now, *s_next_ready_at, *s_push, *s_apply_events, *s_prefill_completed,
     *s_request_id, *s_retire, *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft,
     *s_done, *s_time_out, *s_mock_pass, *s_vocab_size, *s_excluded, *s_timing, *str_prefill,
-    *state_obj[3], *kind_obj[3], *one;
+    *s_free, *s_ended, *s_decode_text, *str_length, *status_ok, *state_obj[3], *kind_obj[3], *one;
 
 /* The mocker's timing model (dynamo/mocker/timing.py: ``prefill_ms``, ``decode_ms``,
  * ``TimingModel.pass_seconds``, the definition): its coefficients are read from that module. */
@@ -57,6 +70,9 @@ typedef struct {
     PyObject *sim, *queue, *timeouts, *counter, *wake, *deliver, *by_id;
     PyObject *now; /* the current instant (strong) */
     long long events;
+    /* simulator.py's placeholders of an ended flight's prompt and spec (strong); NULL: every
+     * finished request goes through ``sim._retire`` (the simulation decodes text) */
+    PyObject *ended_tokens, *ended_spec;
 } Loop;
 
 /* obj.name(args...) with a vectorcall; a new reference or NULL. */
@@ -296,6 +312,104 @@ tokens_of(Loop *L, PyObject *tokens, PyObject *core)
     return rc;
 }
 
+/* ``record.<f> = v`` with ``v`` stolen (NULL: an error already set): 0 or -1. */
+static int
+put_record(PyObject *record, int f, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    int rc = dyn_slots_put(&record_slots, record, f, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* One finished request of a decode (or aggregated) pass: ``Simulation._retire``'s loop body
+ * and ``_finish``, the same writes in the same order; the router's ``free`` and the load
+ * generator's ``ended`` are called as there. */
+static int
+retire_one(Loop *L, PyObject *seq, PyObject *core)
+{
+    PyObject *rid = dyn_slots_get(&seq_slots, seq, SQ_REQUEST_ID), *flight = NULL;
+    PyObject *frid = NULL, *record = NULL, *cached = NULL, *reason = NULL, *load = NULL;
+    PyObject *runner = NULL;
+    int rc = -1;
+    if (rid == NULL)
+        return -1;
+    flight = PyDict_GetItemWithError(L->by_id, rid); /* by_id.get(seq.request_id) */
+    if (flight == NULL) {
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto end;
+    }
+    Py_INCREF(flight);
+    if ((frid = dyn_slots_get(&flight_slots, flight, FL_REQUEST_ID)) == NULL ||
+        (core != Py_None && done(call_method(core, s_free, &frid, 1)) < 0) ||
+        (record = dyn_slots_get(&flight_slots, flight, FL_RECORD)) == NULL ||
+        dyn_slots_put(&record_slots, record, RC_END, L->now) < 0 ||
+        dyn_slots_put(&record_slots, record, RC_STATUS, status_ok) < 0 ||
+        put_record(record, RC_PROMPT_TOKENS, dyn_slots_get(&seq_slots, seq, SQ_PROMPT_TOKENS)) < 0 ||
+        (cached = dyn_slots_get(&record_slots, record, RC_CACHED_TOKENS)) == NULL)
+        goto end;
+    if (cached == Py_None) { /* seq.num_cached_tokens or 0 */
+        PyObject *n = dyn_slots_get(&seq_slots, seq, SQ_CACHED_TOKENS);
+        int truth = n == NULL ? -1 : PyObject_IsTrue(n);
+        if (truth == 0)
+            Py_SETREF(n, Py_NewRef(kind_obj[0]));
+        if (truth < 0 || put_record(record, RC_CACHED_TOKENS, n) < 0) {
+            if (truth < 0)
+                Py_XDECREF(n);
+            goto end;
+        }
+    }
+    if ((reason = dyn_slots_get(&seq_slots, seq, SQ_FINISH_REASON)) == NULL ||
+        put_record(record, RC_FINISH_REASON,
+                   reason == Py_None ? Py_NewRef(str_length) : PyObject_Str(reason)) < 0)
+        goto end;
+    /* _finish: done, forgotten, its prompt and spec dropped, its load phase goes on */
+    if (dyn_slots_put(&flight_slots, flight, FL_DONE, Py_True) < 0 ||
+        PyDict_DelItem(L->by_id, frid) < 0 ||
+        dyn_slots_put(&flight_slots, flight, FL_TOKENS, L->ended_tokens) < 0 ||
+        dyn_slots_put(&flight_slots, flight, FL_SPEC, L->ended_spec) < 0 ||
+        (load = dyn_slots_get(&flight_slots, flight, FL_LOAD)) == NULL ||
+        (runner = dyn_slots_get(&flight_slots, flight, FL_RUNNER)) == NULL)
+        goto end;
+    Py_SETREF(record, dyn_slots_get(&flight_slots, flight, FL_RECORD));
+    if (record == NULL)
+        goto end;
+    PyObject *args[2] = {runner, record};
+    rc = done(call_method(load, s_ended, args, 2));
+end:
+    Py_DECREF(rid);
+    Py_XDECREF(flight);
+    Py_XDECREF(frid);
+    Py_XDECREF(record);
+    Py_XDECREF(cached);
+    Py_XDECREF(reason);
+    Py_XDECREF(load);
+    Py_XDECREF(runner);
+    return rc;
+}
+
+/* The finished requests of a pass: here for a decode pool when no text is decoded, else
+ * ``sim._retire`` (a prefill moves on to its decode worker; text is decoded in Python). */
+static int
+retire(Loop *L, PyObject *rank, PyObject *finished, PyObject *core, int prefill_pool)
+{
+    if (prefill_pool || L->ended_tokens == NULL || !PyDict_CheckExact(L->by_id)) {
+        PyObject *args[2] = {rank, finished};
+        return done(call_method(L->sim, s_retire, args, 2));
+    }
+    PyObject *it = PyObject_GetIter(finished), *seq;
+    if (it == NULL)
+        return -1;
+    int rc = 0;
+    while (rc == 0 && (seq = PyIter_Next(it)) != NULL) {
+        rc = retire_one(L, seq, core);
+        Py_DECREF(seq);
+    }
+    Py_DECREF(it);
+    return rc == 0 && PyErr_Occurred() ? -1 : rc;
+}
+
 /* ``_pass_end``: the pass's outcome, then the rank's next pass (inline when nothing else is
  * due at this instant). */
 static int
@@ -338,11 +452,8 @@ pass_end(Loop *L, PyObject *rank)
     int any_finished = PyObject_IsTrue(finished);
     if (any_finished < 0)
         goto end;
-    if (any_finished) {
-        PyObject *args[2] = {rank, finished};
-        if (done(call_method(L->sim, s_retire, args, 2)) < 0)
-            goto end;
-    }
+    if (any_finished && retire(L, rank, finished, core, prefill_pool) < 0)
+        goto end;
     if ((held_queue = dyn_slots_get(&pool_slots, pool, PL_QUEUE)) == NULL)
         goto end;
     int held = 0;
@@ -467,6 +578,28 @@ end:
     return rc;
 }
 
+/* Whether finished requests are retired here (the simulation decodes no text): then the
+ * placeholders an ended flight's prompt and spec become, simulator.py's ``_ENDED`` and
+ * ``_ENDED_SPEC``. 0, or -1 with an exception. */
+static int
+ended_placeholders(Loop *L)
+{
+    PyObject *decode = PyObject_GetAttr(L->sim, s_decode_text);
+    if (decode == NULL)
+        return -1;
+    int text = decode != Py_None;
+    Py_DECREF(decode);
+    if (text)
+        return 0;
+    PyObject *m = PyImport_ImportModule("dynamo.replay.simulator");
+    if (m == NULL)
+        return -1;
+    L->ended_tokens = PyObject_GetAttrString(m, "_ENDED");
+    L->ended_spec = L->ended_tokens ? PyObject_GetAttrString(m, "_ENDED_SPEC") : NULL;
+    Py_DECREF(m);
+    return L->ended_spec == NULL ? -1 : 0;
+}
+
 static PyObject *
 run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -474,15 +607,15 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "run(sim, queue, timeouts, counter, wake, deliver)");
         return NULL;
     }
-    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0};
+    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0, NULL, NULL};
     if ((L.by_id = PyObject_GetAttrString(L.sim, "_by_id")) == NULL)
         return NULL;
     if ((L.now = PyObject_GetAttr(L.sim, s_now)) == NULL) {
         Py_DECREF(L.by_id);
         return NULL;
     }
-    int rc = 0;
-    for (;;) {
+    int rc = ended_placeholders(&L);
+    for (; rc == 0;) {
         Py_ssize_t queued = PyObject_Length(L.queue), waiting = PyObject_Length(L.timeouts);
         if (queued < 0 || waiting < 0) {
             rc = -1;
@@ -500,6 +633,8 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_DECREF(L.by_id);
     Py_DECREF(L.now);
+    Py_XDECREF(L.ended_tokens);
+    Py_XDECREF(L.ended_spec);
     return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
 }
 
@@ -536,10 +671,15 @@ PyInit__loop(void)
         intern(&s_popleft, "popleft") || intern(&s_done, "done") ||
         intern(&s_time_out, "_time_out") || intern(&str_prefill, "prefill") ||
         intern(&s_mock_pass, "mock_pass") || intern(&s_vocab_size, "_vocab_size") ||
-        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing"))
+        intern(&s_excluded, "_excluded") || intern(&s_timing, "timing") ||
+        intern(&s_free, "free") || intern(&s_ended, "ended") ||
+        intern(&s_decode_text, "_decode_text") || intern(&str_length, "length"))
         return NULL;
     if (dyn_slots_init(&rank_slots) < 0 || dyn_slots_init(&pool_slots) < 0 ||
-        dyn_slots_init(&timing_slots) < 0)
+        dyn_slots_init(&timing_slots) < 0 || dyn_slots_init(&flight_slots) < 0 ||
+        dyn_slots_init(&record_slots) < 0 || dyn_slots_init(&seq_slots) < 0)
+        return NULL;
+    if ((status_ok = PyLong_FromLong(200)) == NULL)
         return NULL;
     for (int k = 0; k < 3; k++)
         if ((state_obj[k] = PyLong_FromLong(k)) == NULL || (kind_obj[k] = PyLong_FromLong(k)) == NULL)

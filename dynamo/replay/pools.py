@@ -143,7 +143,10 @@ def build_pool(
             )
         )
         for r in range(config.data_parallel_size):
-            ranks[(worker_id, r)] = Rank(worker_id, r, MockerScheduler(config, dp_rank=r), pool)
+            sched = MockerScheduler(config, dp_rank=r)
+            # the index is in this process: each pass's KV events as one raw buffer, no structs
+            sched.kv.record_raw_events()
+            ranks[(worker_id, r)] = Rank(worker_id, r, sched, pool)
         if core is not None:
             core.add_worker(
                 WorkerSpec(

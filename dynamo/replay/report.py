@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo.replay.simulator import Flight
+from dynamo.replay.flight import Flight
 
 PLOT_BINS = 50
 
@@ -18,20 +18,26 @@ def _worker_key(worker_id: int, dp_rank: int) -> str:
 
 def worker_summary(flights: Sequence[Flight]) -> dict[str, dict[str, Any]]:
     """Per ``worker:dp_rank`` (hex id): requests served, prompt and cached tokens, hit rate."""
-    out: dict[str, dict[str, Any]] = {}
+    totals: dict[tuple[int, int], list[int]] = {}  # keyed by numbers: one key text per worker
     for f in flights:
-        r = f.routing
-        if r is None or not f.record.ok:
+        r, rec = f.routing, f.record
+        if r is None or rec.error is not None:  # routed and ok
             continue
-        row = out.setdefault(
-            _worker_key(r.worker_id, r.dp_rank),
-            {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0},
-        )
-        row["requests"] += 1
-        row["prompt_tokens"] += f.record.prompt_tokens or 0
-        row["cached_tokens"] += f.record.cached_tokens or 0
-    for row in out.values():
-        row["hit_rate"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0
+        key = (r.worker_id, r.dp_rank)
+        row = totals.get(key)
+        if row is None:
+            row = totals[key] = [0, 0, 0]
+        row[0] += 1
+        row[1] += rec.prompt_tokens or 0
+        row[2] += rec.cached_tokens or 0
+    out: dict[str, dict[str, Any]] = {}
+    for (worker_id, dp_rank), (requests, prompt, cached) in totals.items():
+        out[_worker_key(worker_id, dp_rank)] = {
+            "requests": requests,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0,
+        }
     return dict(sorted(out.items()))
 
 

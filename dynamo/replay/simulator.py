@@ -50,6 +50,7 @@ from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
+from dynamo.replay.flight import Flight
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
     BUSY,
@@ -69,26 +70,6 @@ _SEND, _PASS_END, _PASS_START = 0, 1, 2
 _ENDED, _ENDED_SPEC = list[int](), RequestSpec(max_tokens=0, expected_prompt_tokens=0)
 _native_loop = native.load_optional("dynamo.replay._loop")
 """The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
-
-
-@dataclass(slots=True)
-class Flight:
-    """One request through the simulation: its bench record and its routing."""
-
-    index: int
-    request_id: str
-    record: RequestRecord
-    spec: RequestSpec
-    runner: Runner
-    load: LoadGenerator  # the phase that sent it
-    tokens: list[int]  # the prompt, until the request ends (then emptied: memory)
-    routing: RoutingRecord | None = None
-    last_token_at: float = 0.0
-    rank: Rank | None = None  # where its sequence is queued or runs now
-    decode_rank: Rank | None = None  # disaggregated: where the decode runs after the prefill
-    done: bool = False
-    held: Held[Flight] | None = None  # waiting in the router queue (--router-queue-threshold)
-    hashes: tuple[list[int], list[int]] | None = None  # its prompt's hashes, while held
 
 
 @dataclass(slots=True)

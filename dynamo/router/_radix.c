@@ -572,27 +572,25 @@ keys_of(PyObject *seq, Py_ssize_t n, uint8_t *negs)
     return out;
 }
 
-static PyObject *
-store_keys(Tree *t, uint32_t slot, PyObject *parent, const uint64_t *bl, const uint8_t *bneg,
-           const uint64_t *hl, Py_ssize_t n)
+/* Store the chain (ids bl[i * stride], given negative where bneg[i] (NULL: none), local hashes
+ * hl[i * stride]) under the parent id (none: the root): 1 stored, 0 the parent is unknown or was lost (see store_hashes), -1 error. */
+static int
+store_chain(Tree *t, uint32_t slot, int has_parent, uint64_t parent, const uint64_t *bl,
+            const uint8_t *bneg, const uint64_t *hl, Py_ssize_t n, Py_ssize_t stride)
 {
     Slot *sl = slot_make(t, slot);
     if (sl == NULL)
-        return NULL;
+        return -1;
     Node *node = &t->root;
-    int has_cur = 0;
-    uint64_t cur = 0;
-    if (parent != Py_None) {
-        int neg;
-        if (as_key(parent, &cur, &neg) < 0)
-            return NULL;
+    int has_cur = has_parent;
+    uint64_t cur = parent;
+    if (has_parent) {
         node = idmap_get(&sl->ids, cur);
         if (node == NULL)
-            Py_RETURN_FALSE;
-        has_cur = 1;
+            return 0;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t b = bl[i], h = hl[i];
+        uint64_t b = bl[i * stride], h = hl[i * stride];
         Node *at = idmap_get(&sl->ids, b);
         if (at != NULL) {
             if (kidmap_get(&t->kids, node, h) == at) { /* already stored with this id */
@@ -603,20 +601,32 @@ store_keys(Tree *t, uint32_t slot, PyObject *parent, const uint64_t *bl, const u
             }
             /* the id names another block: drop it there (with its descendants) first */
             if (detach(t, sl, slot, at, NULL) < 0)
-                return NULL;
+                return -1;
             if (has_cur) { /* our position may have been dropped with it */
                 node = idmap_get(&sl->ids, cur);
                 if (node == NULL)
-                    Py_RETURN_FALSE;
+                    return 0;
             }
         }
-        node = extend_one(t, sl, slot, node, b, bneg[i], h);
+        node = extend_one(t, sl, slot, node, b, bneg ? bneg[i] : 0, h);
         if (node == NULL)
-            return NULL;
+            return -1;
         cur = b;
         has_cur = 1;
     }
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+static PyObject *
+store_keys(Tree *t, uint32_t slot, PyObject *parent, const uint64_t *bl, const uint8_t *bneg,
+           const uint64_t *hl, Py_ssize_t n)
+{
+    uint64_t cur = 0;
+    int neg;
+    if (parent != Py_None && as_key(parent, &cur, &neg) < 0)
+        return NULL;
+    int rc = store_chain(t, slot, parent != Py_None, cur, bl, bneg, hl, n, 1);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
 }
 
 static PyObject *
@@ -775,6 +785,120 @@ Tree_remove(Tree *t, PyObject *args, PyObject *kwds)
 done:
     PyMem_Free(lost.h);
     return res;
+}
+
+/* ---- a pass's events in the raw form (dynamo/protocol/kv_raw.py: the layout) ------------ */
+
+enum { RAW_STORED = 1, RAW_REMOVED = 2, RAW_HAS_PARENT = 4, RAW_NEG = 8, RAW_HEADER = 3 };
+
+/* The values of the event whose head is w[at] and the place after it; -1 if malformed. */
+static Py_ssize_t
+raw_event_end(const uint64_t *w, Py_ssize_t nw, Py_ssize_t at, Py_ssize_t *nvalues)
+{
+    if (at >= nw)
+        return -1;
+    uint64_t head = w[at], kind = head & 3, n = head >> 8;
+    if ((kind != RAW_STORED && kind != RAW_REMOVED) || n > (uint64_t)nw)
+        return -1;
+    *nvalues = (Py_ssize_t)(kind == RAW_REMOVED ? n : 2 * n + ((head & RAW_HAS_PARENT) ? 1 : 0));
+    Py_ssize_t end = at + 1 + *nvalues + ((head & RAW_NEG) ? *nvalues : 0);
+    return end > nw ? -1 : end;
+}
+
+/* One raw event applied to the slot: 1 applied, 0 its parent or a removed id was unknown. */
+static int
+raw_apply_one(Tree *t, uint32_t slot, const uint64_t *w, Py_ssize_t nvalues)
+{
+    uint64_t head = w[0], n = head >> 8;
+    const uint64_t *vals = w + 1, *flags = (head & RAW_NEG) ? w + 1 + nvalues : NULL;
+    if ((head & 3) == RAW_REMOVED) {
+        Slot *sl = slot_get(t, slot);
+        if (sl == NULL)
+            return n == 0;
+        int all = 1;
+        for (uint64_t k = 0; k < n; k++) {
+            int rc = remove_id(t, sl, slot, vals[k], NULL);
+            if (rc < 0)
+                return -1;
+            all &= rc;
+        }
+        return all;
+    }
+    int has_parent = (head & RAW_HAS_PARENT) != 0;
+    const uint64_t *blocks = vals + has_parent;
+    uint8_t *negs = NULL;
+    if (flags != NULL) {
+        if ((negs = PyMem_Malloc(n ? n : 1)) == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (uint64_t k = 0; k < n; k++)
+            negs[k] = flags[has_parent + 2 * k] != 0;
+    }
+    int rc = store_chain(t, slot, has_parent, has_parent ? vals[0] : 0, blocks, negs, blocks + 1,
+                         (Py_ssize_t)n, 2);
+    PyMem_Free(negs);
+    return rc;
+}
+
+/* (a, b, c) as a tuple of ints (built directly: Py_BuildValue parses its format each time) */
+static PyObject *
+three_counts(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c)
+{
+    PyObject *t = PyTuple_New(3);
+    Py_ssize_t v[3] = {a, b, c};
+    for (int i = 0; t != NULL && i < 3; i++) {
+        PyObject *x = PyLong_FromSsize_t(v[i]);
+        if (x == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+static PyObject *
+Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "apply_raw(slot, raw)");
+        return NULL;
+    }
+    uint32_t slot;
+    if (as_slot(args[0], &slot) < 0)
+        return NULL;
+    if (!PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "raw events are bytes");
+        return NULL;
+    }
+    Py_ssize_t len = PyBytes_GET_SIZE(args[1]), nw = len / 8, ok = 0, parent = 0, block = 0;
+    if (len == 0)
+        return three_counts(ok, parent, block);
+    /* a bytes object's data follows its 32-byte header: 8-byte aligned */
+    const uint64_t *w = (const uint64_t *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t at = RAW_HEADER, nvalues;
+    uint64_t count = nw >= RAW_HEADER ? w[2] : 0;
+    for (uint64_t i = 0; i < count && at >= 0; i++) /* checked whole before any change */
+        at = raw_event_end(w, nw, at, &nvalues);
+    if (len % 8 || nw < RAW_HEADER || at != nw) {
+        PyErr_SetString(PyExc_ValueError, "malformed raw events");
+        return NULL;
+    }
+    at = RAW_HEADER;
+    for (uint64_t i = 0; i < count; i++) {
+        Py_ssize_t end = raw_event_end(w, nw, at, &nvalues);
+        int rc = raw_apply_one(t, slot, w + at, nvalues);
+        if (rc < 0)
+            return NULL;
+        if (rc)
+            ok++;
+        else if ((w[at] & 3) == RAW_STORED)
+            parent++;
+        else
+            block++;
+        at = end;
+    }
+    return three_counts(ok, parent, block);
 }
 
 static void
@@ -1214,6 +1338,7 @@ Tree_dealloc(Tree *t)
 static PyMethodDef Tree_methods[] = {
     {"store", (PyCFunction)(void (*)(void))Tree_store, METH_FASTCALL, NULL},
     {"store_hashes", (PyCFunction)(void (*)(void))Tree_store_hashes, METH_FASTCALL, NULL},
+    {"apply_raw", (PyCFunction)(void (*)(void))Tree_apply_raw, METH_FASTCALL, NULL},
     {"remove", (PyCFunction)(void (*)(void))Tree_remove, METH_VARARGS | METH_KEYWORDS, NULL},
     {"clear", (PyCFunction)Tree_clear, METH_O, NULL},
     {"find_matches", (PyCFunction)Tree_find_matches, METH_O, NULL},

@@ -56,6 +56,13 @@ class RadixTree:
         """Drop blocks by external id; the slot also loses every descendant of a dropped block.
         Returns how many ids were unknown. ``removed`` (optional) collects every id the slot
         lost (no particular order)."""
+    def apply_raw(self, slot: int, raw: bytes) -> tuple[int, int, int]:
+        """Apply a raw event buffer (``dynamo.protocol.kv_raw``: a KV manager's events of one
+        pass) to the slot, in order, as :meth:`store` / :meth:`remove` of each decoded event
+        would. Returns ``(ok, parent_not_found, block_not_found)``: how many events stored or
+        removed everything, stored under an unknown parent (False from :meth:`store`) or named
+        an unknown id (:meth:`remove` > 0). ``ValueError`` (nothing applied) if it is malformed,
+        ``TypeError`` if it is not ``bytes``."""
     def clear(self, slot: int) -> None:
         """Drop every block of the slot."""
     def find_matches(self, local_hashes: Sequence[int]) -> dict[int, int]:

@@ -10,7 +10,8 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
-from dynamo.protocol.kv_events import BlocksStored, StoredBlock
+from dynamo.protocol.kv_events import BlocksRemoved, BlocksStored, StoredBlock
+from dynamo.protocol.kv_raw import decode
 from dynamo.router.radix_run import Lookups, Run, common_prefix, index_of
 
 _BLOCK_ID = attrgetter("block_hash")
@@ -161,6 +162,25 @@ class RadixTree:
                 i += 1
             self._remove_at(slot, lookup, node, t, removed)
         return unknown
+
+    def apply_raw(self, slot: int, raw: bytes) -> tuple[int, int, int]:
+        """Apply a raw event buffer to the slot, in order; ``(ok, parent_not_found,
+        block_not_found)`` counts of its events (see ``_radix.pyi``)."""
+        if not isinstance(raw, bytes):
+            raise TypeError("raw events are bytes")
+        ok = parent = block = 0
+        for event in decode(raw):
+            data = event.data
+            if type(data) is BlocksStored:
+                if self.store(slot, data.parent_hash, data.blocks):
+                    ok += 1
+                else:
+                    parent += 1
+            elif type(data) is BlocksRemoved and self.remove(slot, data.block_hashes):
+                block += 1
+            else:
+                ok += 1
+        return ok, parent, block
 
     def clear(self, slot: int) -> None:
         """Drop every block of the slot."""

@@ -16,8 +16,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from dynamo import native
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.router.approx import ApproxIndex
 from dynamo.router.config import KVRouterSettings
@@ -26,6 +29,14 @@ from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
 from dynamo.router.sequences import ActiveSequences
 from dynamo.runtime.errors import NoInstances
+
+_kernel = native.load("dynamo.router._route", "dynamo.router._route_fallback")
+ROUTE_IMPLEMENTATION: str = _kernel.__name__
+"""The route kernel in use (``dynamo.router._route`` or ``dynamo.router._route_fallback``)."""
+if TYPE_CHECKING:
+    from dynamo.router._route import choose as _choose
+else:
+    _choose = _kernel.choose
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +122,15 @@ class RoutingCore:
             return EventStatus.OK
         return self.indexer.apply(worker_id, event)
 
-    def apply_events(self, worker_id: int, events: Sequence[KVCacheEvent]) -> None:
+    def apply_events(self, worker_id: int, events: Sequence[KVCacheEvent] | bytes) -> None:
         """:meth:`apply_event` each of ``events`` in order, in one call (the offline replay's
-        pass end). Gaps start recovery in the indexer as with one event at a time."""
+        pass end). Gaps start recovery in the indexer as with one event at a time. ``bytes``:
+        the events in their raw form (``dynamo.protocol.kv_raw``, ``KVIndexer.apply_raw``)."""
         if self.indexer is not None:
-            self.indexer.apply_events(worker_id, events)
+            if isinstance(events, bytes):
+                self.indexer.apply_raw(worker_id, events)
+            else:
+                self.indexer.apply_events(worker_id, events)
 
     # -- routing ---------------------------------------------------------------------------
     def route(
@@ -146,11 +161,18 @@ class RoutingCore:
             seqs = sequence_hashes(local_hashes)
         else:  # read only here (what is kept is copied): a list is used as it is
             seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
+        selector = self.selector
+        if targets is self._targets and not selector.has_busy_thresholds:
+            if selector.temperature == 0:  # the common request: one native call
+                chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps)
+                if record:
+                    self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
+                return chosen
         if overlaps is None:
             overlaps = self.find_matches(local_hashes)
-        if self.selector.has_busy_thresholds:  # filtering needs each candidate's whole load
+        if selector.has_busy_thresholds:  # filtering needs each candidate's whole load
             options = self._candidates(targets, seqs, overlaps)
-            chosen = select_worker(options, isl_tokens, self.block_size, self.selector, self.rng)
+            chosen = select_worker(options, isl_tokens, self.block_size, selector, self.rng)
         else:
             chosen = self._select(targets, seqs, overlaps, isl_tokens)
         if record:
@@ -226,11 +248,18 @@ class RoutingCore:
         self._target_keys = [(w.worker_id, r) for w, r in self._targets]
         self._target_index = {key: i for i, key in enumerate(self._target_keys)}
 
+    def _covers(self, allowed: Collection[int]) -> bool:
+        """Whether ``allowed`` holds every tracked worker (the live router passes the live
+        ones: normally all of them)."""
+        if isinstance(allowed, AbstractSet):
+            return allowed >= self.workers.keys()
+        return all(worker_id in allowed for worker_id in self.workers)
+
     def _eligible(
         self, allowed: Collection[int] | None, pinned: int | None, rank: int | None
     ) -> list[tuple[WorkerSpec, int]]:
-        if allowed is None and pinned is None and rank is None:
-            targets = self._targets
+        if pinned is None and rank is None and (allowed is None or self._covers(allowed)):
+            targets = self._targets  # every target: the route kernel's whole-target call
         else:
             targets = [
                 (w, r)
@@ -244,6 +273,52 @@ class RoutingCore:
                 raise NoInstances("no live worker matches the request's instance / DP-rank hints")
             raise NoInstances("no live instance")
         return targets
+
+    def _choose(
+        self,
+        local_hashes: Sequence[int],
+        seqs: list[int],
+        isl_tokens: int,
+        overlaps: dict[tuple[int, int], int] | None,
+    ) -> Selection:
+        """:meth:`_select` over every target at temperature 0, in one call of the route kernel
+        (``_route.pyi``: the index's matches, the ranks' loads, the costs and the choice)."""
+        key_of: list[tuple[int, int]] | None = None
+        matches: dict[Any, int]
+        if overlaps is not None:  # the caller's find_matches (keyed by worker)
+            matches = overlaps
+        elif not local_hashes:
+            matches = {}
+        elif self.indexer is not None:  # slots of the index, read through key_of
+            matches, key_of = self.indexer.slot_matches(local_hashes)
+        else:
+            assert self.approx is not None
+            matches = self.approx.find_matches(local_hashes)
+        keys = self._target_keys
+        ranks, new, _ = self.sequences.rank_loads(seqs, keys)
+        bs = self.block_size
+        i, overlap, costs = _choose(
+            matches,
+            key_of,
+            self._target_index,
+            ranks,
+            new,
+            isl_tokens,
+            bs,
+            self.selector.cost_params,
+            self.rng,
+            self.settings.track_active_blocks,
+        )
+        worker_id, dp_rank = keys[i]
+        return Selection(
+            worker_id=worker_id,
+            dp_rank=dp_rank,
+            cost=costs[i],
+            overlap_blocks=overlap,
+            cached_tokens=min(overlap * bs, max(isl_tokens, 0)),
+            scored=keys,
+            scores=costs,
+        )
 
     def _select(
         self,

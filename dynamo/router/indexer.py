@@ -17,6 +17,7 @@ from dynamo.protocol.kv_events import (
     KVRecoveryRequest,
     KVRecoveryResponse,
 )
+from dynamo.protocol.kv_raw import decode, header
 from dynamo.router.radix_tree import RadixTree
 from dynamo.router.slots import SlotMap, WorkerKey
 
@@ -105,6 +106,27 @@ class KVIndexer:
             counters[status] += 1
         return gaps
 
+    def apply_raw(self, worker_id: int, raw: bytes) -> list[WorkerKey]:
+        """:meth:`apply_events` of a raw buffer (``dynamo.protocol.kv_raw``: one rank's
+        consecutive events, the offline replay's pass), with the same statuses, counters and
+        result. When its first id is the rank's next one and the rank is not recovering, the
+        tree applies it in one call (``RadixTree.apply_raw``); otherwise it is decoded."""
+        if not raw:
+            return []
+        dp_rank, first, count = header(raw)
+        key = (worker_id, dp_rank)
+        st = self._ranks.get(key)
+        last = None if st is None else st.last_id
+        if st is None or st.recovering or last is None or first != last + 1:
+            return self.apply_events(worker_id, decode(raw))
+        ok, parent, block = self._tree.apply_raw(st.slot, raw)
+        st.last_id = first + count - 1
+        counters = self.counters
+        counters[EventStatus.OK] += ok
+        counters[EventStatus.PARENT_BLOCK_NOT_FOUND] += parent
+        counters[EventStatus.BLOCK_NOT_FOUND] += block
+        return []
+
     def apply_data(self, worker_id: int, dp_rank: int, data: KVCacheEventData) -> EventStatus:
         """Apply event data without event-id tracking (tests, approximate feeds)."""
         status = self._apply_data(self._rank((worker_id, dp_rank)), data)
@@ -168,6 +190,11 @@ class KVIndexer:
     def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerKey, int]:
         """(worker_id, dp_rank) -> leading blocks of ``local_hashes`` it holds; zeros omitted."""
         return self._slots.to_keys(self._tree.find_matches(local_hashes))
+
+    def slot_matches(self, local_hashes: Sequence[int]) -> tuple[dict[int, int], list[WorkerKey]]:
+        """:meth:`find_matches` before re-keying: slot -> leading blocks, and the live slot ->
+        (worker_id, dp_rank) list to read the slots with (valid until the membership changes)."""
+        return self._tree.find_matches(local_hashes), self._slots.key_list()
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget every rank of a worker (it left discovery): blocks, ids, recovery state."""

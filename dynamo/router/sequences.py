@@ -176,9 +176,8 @@ class ActiveSequences:
         self._ranks: dict[WorkerRank, _Rank] = {}
         self._rank_list: list[_Rank] = []  # iteration order of the load queries
         self._requests: dict[str, _Request] = {}  # insertion order == arrival order
-        # load_columns' last ``keys`` (the router passes the same list until its membership
-        # changes), resolved to their ranks and block tables, and whether they are every rank
-        # in rank-list order; reset when ranks come or go.
+        # rank_loads' last ``keys`` (the router's, until its membership changes): their ranks,
+        # block tables, and whether they are every rank in order; reset when ranks come or go.
         self._columns_for: (
             tuple[Sequence[WorkerRank], list[_Rank], list[BlockCounts], bool] | None
         ) = None
@@ -395,20 +394,7 @@ class ActiveSequences:
         ``keys`` is resolved once and reused while the caller passes the same list object and
         no rank comes or goes: the caller must not mutate it in place. ``keys`` in the order the
         ranks were added (the router's targets): copies of columns kept up to date per change."""
-        cached = self._columns_for
-        if cached is not None and cached[0] is keys:
-            ranks, tables, whole = cached[1], cached[2], cached[3]
-        else:
-            table, listed = self._ranks, self._rank_list
-            ranks = [table[key] for key in keys]
-            tables = [rank.blocks for rank in ranks]
-            whole = len(ranks) == len(listed) and all(map(operator.is_, ranks, listed))
-            self._columns_for = (keys, ranks, tables, whole)
-        if self._assume_kv_reuse:
-            # the rank's trie holds whole paths: the request's blocks past its deepest node
-            new = new_blocks(tables, sequence_hashes)
-        else:
-            new = [len(sequence_hashes)] * len(ranks)
+        ranks, new, whole = self.rank_loads(sequence_hashes, keys)
         if whole:  # every rank in rank-list order: the kept columns
             prefill, decode, requests = self._columns
             for i, rank in self._stale.items():
@@ -423,6 +409,26 @@ class ActiveSequences:
             new,
             [rank.num_requests for rank in ranks],
         )
+
+    def rank_loads(
+        self, sequence_hashes: Sequence[int], keys: Sequence[WorkerRank]
+    ) -> tuple[list[_Rank], list[int], bool]:
+        """The ranks ``keys`` (``load_columns``' contract) as the route kernel reads them
+        (``router/_route.pyi``), the request's blocks new on each, and whether they are every
+        rank in rank-list order. Read-only."""
+        cached = self._columns_for
+        if cached is not None and cached[0] is keys:
+            ranks, tables, whole = cached[1], cached[2], cached[3]
+        else:
+            table, listed = self._ranks, self._rank_list
+            ranks = [table[key] for key in keys]
+            tables = [rank.blocks for rank in ranks]
+            whole = len(ranks) == len(listed) and all(map(operator.is_, ranks, listed))
+            self._columns_for = (keys, ranks, tables, whole)
+        if self._assume_kv_reuse:
+            # the rank's trie holds whole paths: the request's blocks past its deepest node
+            return ranks, new_blocks(tables, sequence_hashes), whole
+        return ranks, [len(sequence_hashes)] * len(ranks), whole
 
     def _new_blocks(self, sequence_hashes: Iterable[int] | BlockCounts) -> list[int]:
         """Per rank (in order), the request's blocks that would be new there.

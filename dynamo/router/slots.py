@@ -41,6 +41,11 @@ class SlotMap:
     def keys(self) -> list[WorkerKey]:
         return list(self._slot_of)
 
+    def key_list(self) -> list[WorkerKey]:
+        """slot -> key, live (the slots' own list: read it, never change it; a released slot
+        keeps its last key until it is reused)."""
+        return self._key_of
+
     def to_keys(self, scores: dict[int, int]) -> dict[WorkerKey, int]:
         """Re-key per-slot scores by worker key (every slot in ``scores`` must be live)."""
         key_of = self._key_of

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 
 from dynamo.bench import _stats_fallback as py
-from dynamo.bench.report import stats
+from dynamo.bench.report import stats, stats_joined
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +75,36 @@ def test_report_stats_either_way() -> None:
     nan_row = stats([2.0, math.nan, 1.0])
     assert nan_row["count"] == 3  # computed by the definition
     assert list(stats([])) == ["mean", "min", "p50", "p90", "p99", "max", "count"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_series_without_negative_zero_sort_the_same(native: ModuleType, seed: int) -> None:
+    """A long series with no -0.0 is radix-sorted: the same floats as the definition, over
+    signs, zeros, ties, subnormals, infinities and one shared exponent."""
+    rng = random.Random(seed)
+    n = rng.choice((256, 257, 3_000, 50_000))
+    values = [v for v in series(rng, n) if not (v == 0.0 and math.copysign(1.0, v) < 0)]
+    values += [-rng.expovariate(1.0) for _ in range(n // 9)] + [0.0, 5e-324, -5e-324]
+    values += [math.inf, -math.inf, -1e300, 1.5, 1.5, 1.5]
+    rng.shuffle(values)
+    for scale in (1.0, 1000.0, 1e-3):
+        assert bits(native.figures(values, scale)) == bits(py.figures(values, scale))
+    same_exponent = [1.0 + rng.random() for _ in range(10_000)]  # passes skipped
+    assert bits(native.figures(same_exponent, 1.0)) == bits(py.figures(same_exponent, 1.0))
+
+
+def test_joined_series_are_the_figures_of_the_joined_list(native: ModuleType) -> None:
+    rng = random.Random(11)
+    lists = [series(rng, rng.randrange(0, 40)) for _ in range(500)] + [[], [3], [1e6]]
+    joined = [v for part in lists for v in part]
+    want = bits(py.figures(joined, 1000.0))
+    assert bits(native.figures_joined(lists, 1000.0)) == want
+    assert bits(py.figures_joined(lists, 1000.0)) == want
+    assert native.figures_joined([], 1.0) == py.figures_joined([], 1.0) == (0, *[None] * 6)
+    assert native.figures_joined([[1.0], (2.0,)], 1.0) is None  # not a list: the twin joins it
+    assert native.figures_joined([[1.0], [math.nan]], 1.0) is None
+    with pytest.raises(TypeError):
+        native.figures_joined(([1.0],), 1.0)
+    row = stats_joined(lists, 1000.0)
+    assert list(row.values()) == list(py.figures(joined, 1000.0))
+    assert stats_joined([[], []])["count"] == 0

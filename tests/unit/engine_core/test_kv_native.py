@@ -2,7 +2,9 @@
 Python containers): random sequences of the scheduler's operations (admit with a cached
 prefix, grow, promote filled blocks, release, evict) give the same return values, the same KV
 events in the same order, and the same state (slots, refcounts, LRU order as seen through
-eviction). The native module is skipped where it is not built; test_kv_manager.py runs the
+eviction). Each side runs beside a twin that records its events in the raw form
+(``record_raw_events``): the same results, and a buffer that is exactly ``kv_raw.encode`` of the
+events. The native module is skipped where it is not built; test_kv_manager.py runs the
 manager in use against a brute-force model."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from dynamo.engine_core import _kv_fallback as py
+from dynamo.protocol import kv_raw
 
 CHAIN = 8
 
@@ -41,6 +44,44 @@ class Seq:
     chain: list[int]
     full: list[int] = field(default_factory=list)
     unique: list[int] = field(default_factory=list)
+
+
+class WithRaw:
+    """A manager and its twin recording raw events: every change goes to both, with the same
+    result or exception (queries go to the first); ``drain_events`` checks the twin's buffer
+    against the events."""
+
+    BOTH = frozenset({"use", "allocate_unique", "promote_run", "release", "check_invariants"})
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        self.plain, self.raw = cls(*args, **kwargs), cls(*args, **kwargs)
+        self.raw.record_raw_events()
+        assert self.raw.raw_events and not self.plain.raw_events
+        for name in ("refcount", "is_cached", "slot_of", "local_hash_of", "block_table"):
+            setattr(self, name, getattr(self.plain, name))  # the queries: no __getattr__
+
+    def __getattr__(self, name: str) -> Any:
+        want = getattr(self.plain, name)
+        if name not in self.BOTH:
+            return want
+        twin = getattr(self.raw, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = want(*args, **kwargs)
+            except Exception as exc:
+                with pytest.raises(type(exc)):
+                    twin(*args, **kwargs)
+                raise
+            return same(twin(*args, **kwargs), result, name)
+
+        return call
+
+    def drain_events(self) -> Any:
+        events = self.plain.drain_events()
+        raw = self.raw.drain_raw_events()
+        assert raw == kv_raw.encode(events) and kv_raw.decode(raw) == events
+        return events
 
 
 def same(a: Any, b: Any, what: str) -> Any:
@@ -75,8 +116,8 @@ def compare_state(a: Any, b: Any, hashes: list[int]) -> None:
 def test_random_operations_match_the_fallback(native: ModuleType, seed: int, caching: bool) -> None:
     rng = random.Random(seed)
     capacity = rng.choice([6, 12, 24])
-    a = native.KVManager(capacity, dp_rank=seed, enable_prefix_caching=caching)
-    b = py.KVManager(capacity, dp_rank=seed, enable_prefix_caching=caching)
+    a = WithRaw(native.KVManager, capacity, dp_rank=seed, enable_prefix_caching=caching)
+    b = WithRaw(py.KVManager, capacity, dp_rank=seed, enable_prefix_caching=caching)
     same(a.num_blocks, b.num_blocks, "num_blocks")
     same(a.dp_rank, b.dp_rank, "dp_rank")
     chains = [[block_hash(g, v, i) for i in range(CHAIN)] for g in range(4) for v in range(3)]
@@ -178,3 +219,24 @@ def test_bad_input_is_refused(native: ModuleType) -> None:
     off = native.KVManager(4, enable_prefix_caching=False)
     with pytest.raises(RuntimeError, match="prefix caching"):
         off.use([1], [1])
+
+
+@pytest.mark.parametrize("impl", ["native", "fallback"])
+def test_raw_events_are_refused_where_they_do_not_apply(native: ModuleType, impl: str) -> None:
+    cls = native.KVManager if impl == "native" else py.KVManager
+    kv = cls(4)
+    with pytest.raises(RuntimeError, match="does not record raw"):
+        kv.drain_raw_events()
+    kv.use([1, 2], [11, 12])
+    with pytest.raises(RuntimeError, match="pending"):
+        kv.record_raw_events()  # the structs of the use above are not drained
+    assert len(kv.drain_events()) == 1
+    kv.record_raw_events()
+    with pytest.raises(RuntimeError, match="records raw"):
+        kv.drain_events()
+    assert kv.drain_raw_events() == b""
+    kv.release([1, 2], [])
+    kv.use([1, 2, 3], [11, 12, 13])
+    assert kv_raw.decode(kv.drain_raw_events())[0].event_id == 1  # the numbering goes on
+    with pytest.raises(ValueError, match="dp_rank"):
+        cls(4, dp_rank=-1).record_raw_events()

@@ -22,6 +22,7 @@ import pytest
 from dynamo.engine_core import _pass_fallback, scheduler
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
+from dynamo.protocol import kv_raw
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
 from dynamo.protocol.request import PreprocessedRequest, SamplingOptions, StopConditions
@@ -156,15 +157,19 @@ def drive(
     monkeypatch: pytest.MonkeyPatch,
     *,
     fused: bool = False,
+    raw: bool = False,
     plans: list[Any] | None = None,
 ) -> list[Any]:
     """A random life of one scheduler on ``impl``'s kernels: everything observable, in order
-    (each pass's batch into ``plans``). ``fused``: each pass is one ``mock_pass`` call."""
+    (each pass's batch into ``plans``). ``fused``: each pass is one ``mock_pass`` call; ``raw``:
+    its KV manager records raw events (logged decoded)."""
     plans = [] if plans is None else plans
     for name in ("schedule_pass", "update_pass", "release_blocks", "mock_pass"):
         monkeypatch.setattr(scheduler, name, getattr(impl, name))
     rng = random.Random(seed)
     sched = Transfers(shape)
+    if raw:
+        sched.kv.record_raw_events()
     groups = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
     log: list[Any] = []
     seqs: list[Sequence] = []
@@ -218,7 +223,7 @@ def drive(
                 context,
                 [(s.request_id, t) for s, t in tokens],
                 [s.request_id for s in finished],
-                msgspec.json.encode(events),
+                msgspec.json.encode(kv_raw.decode(events) if raw else events),
                 [s.request_id for s in sched._running],  # noqa: SLF001
                 [s.request_id for s in sched._waiting],  # noqa: SLF001
             )
@@ -252,6 +257,8 @@ def test_scheduler_pass_matches_the_fallback(
         assert plans[0] == plans[1]
         for fused_impl in (_pass_fallback, native):  # the mocker's single call: the same life
             assert drive(fused_impl, seed, shape, monkeypatch, fused=True) == want
+            raw = drive(fused_impl, seed, shape, monkeypatch, fused=True, raw=True)
+            assert raw == want  # its events as one raw buffer a pass
         for row in want[:-1]:
             if row[0] != "abort":
                 seen["preempted"] += len(row[1])

@@ -21,9 +21,11 @@ from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.timing import TimingModel
 from dynamo.replay import pools, simulator
 from dynamo.replay.deployment import Deployment
+from dynamo.replay.load import LoadGenerator
 from dynamo.replay.report import routing_rows
 from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
 from dynamo.router.config import KVRouterSettings
+from dynamo.router.core import RoutingCore
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +118,47 @@ def test_same_outcome_as_the_python_loop(
     assert fast[3] > 0
 
 
-def test_a_callbacks_error_comes_out(native: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_outcome_with_decoded_text(
+    native: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-turn workload decodes each answer's text: its finished requests are retired by
+    ``Simulation._retire`` from the C loop too, with the same outcome."""
+    bench = BenchConfig(
+        url="replay:",
+        workload="multi-turn",
+        turns=3,
+        isl=40,
+        osl=6,
+        concurrency=4,
+        num_requests=24,
+        seed=5,
+    )
+    deployment = Deployment(2, "kv", engine=MockerConfig(num_gpu_blocks=64, block_size=16))
+    monkeypatch.setattr(simulator, "_native_loop", native)
+    fast = _outcome(bench, deployment)
+    monkeypatch.setattr(simulator, "_native_loop", None)
+    assert _outcome(bench, deployment) == fast
+
+
+@pytest.mark.parametrize(
+    ("seed", "owner", "name"),
+    [
+        (0, LoadGenerator, "ended"),  # a finished request retired in C: its runner goes on
+        (0, RoutingCore, "free"),  # ... and the router frees it
+        (2, simulator.Simulation, "_retire"),  # disaggregated: a prefill's end is Python's
+    ],
+)
+def test_a_callbacks_error_comes_out(
+    native: ModuleType, monkeypatch: pytest.MonkeyPatch, seed: int, owner: type, name: str
+) -> None:
     monkeypatch.setattr(simulator, "_native_loop", native)
 
-    def broken(self: simulator.Simulation, rank: Any, finished: Any) -> None:
-        raise RuntimeError("retire failed")
+    def broken(*args: Any) -> None:
+        raise RuntimeError(f"{name} failed")
 
-    monkeypatch.setattr(simulator.Simulation, "_retire", broken)
-    bench, deployment = _random_case(0)
-    with pytest.raises(RuntimeError, match="retire failed"):
+    monkeypatch.setattr(owner, name, broken)
+    bench, deployment = _random_case(seed)
+    with pytest.raises(RuntimeError, match=f"{name} failed"):
         run_replay(bench, deployment, plots=False)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamo.protocol import kv_raw
 from dynamo.protocol.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -353,3 +355,43 @@ def test_runs_split_and_merge_as_holders_change() -> None:
     assert index.num_nodes == 1
     assert index.find_matches([100 + i for i in range(8)]) == {(1, 0): 5}
     index.check_invariants()
+
+
+def test_raw_batches_apply_as_their_events() -> None:
+    """``apply_raw`` (a pass's events in the raw form) gives what ``apply_events`` of the same
+    events gives: statuses, counters, gaps, ids, blocks; in order, after a gap, while
+    recovering, stale or from a rank never seen."""
+    rng = random.Random(7)
+    raw_index, index = KVIndexer(), KVIndexer()
+    next_id = {0: rng.choice([0, 1]), 1: 5}
+    for step in range(300):
+        rank = rng.randrange(2)
+        events = []
+        for _ in range(rng.randrange(1, 4)):
+            ids = [rng.randrange(40) for _ in range(rng.randrange(1, 4))]
+            if rng.random() < 0.6:
+                parent = None if rng.random() < 0.3 else rng.randrange(40)
+                blocks = [(b, rng.randrange(4)) for b in ids]
+                events.append(stored(next_id[rank] + len(events), parent, blocks, rank))
+            else:
+                data = BlocksRemoved(block_hashes=ids)
+                eid = next_id[rank] + len(events)
+                events.append(KVCacheEvent(event_id=eid, data=data, dp_rank=rank))
+        r = rng.random()
+        next_id[rank] += len(events) + (rng.randrange(1, 3) if r < 0.05 else 0)  # a lost batch
+        if r > 0.95:
+            next_id[rank] -= rng.randrange(1, 4)  # a stale replay
+        assert raw_index.apply_raw(3, kv_raw.encode(events)) == index.apply_events(3, events)
+        if rng.random() < 0.7 and index.is_recovering(3, rank):  # recovered by an empty dump
+            dump = KVRecoveryResponse(
+                worker_id=3, dp_rank=rank, events=[], is_dump=True, last_event_id=next_id[rank] - 1
+            )
+            assert raw_index.apply_recovery(dump) == index.apply_recovery(dump)
+        assert raw_index.counters == index.counters, step
+        for k in range(2):
+            assert raw_index.last_event_id(3, k) == index.last_event_id(3, k)
+            assert raw_index.is_recovering(3, k) == index.is_recovering(3, k)
+            assert raw_index.digest(3, k) == index.digest(3, k)
+    assert raw_index.apply_raw(3, b"") == []
+    assert index.counters[EventStatus.GAP] and index.counters[EventStatus.BLOCK_NOT_FOUND]
+    raw_index.check_invariants()

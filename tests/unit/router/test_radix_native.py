@@ -1,17 +1,20 @@
 """router/_radix.c (one node per block) against its fallback (``_radix_fallback.py``, path
 compressed): random operation sequences give the same results (store and remove outcomes, the
-ids lost, matches, per-slot counts and digests, dumps that rebuild the same state), and bad
-input is refused with an exception, never a crash."""
+ids lost, matches, per-slot counts and digests, dumps that rebuild the same state), a pass's
+raw events (``apply_raw``) apply as ``store`` / ``remove`` of each event, and bad input is
+refused with an exception, never a crash."""
 
 from __future__ import annotations
 
 import random
+import struct
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from dynamo.protocol.kv_events import StoredBlock
+from dynamo.protocol import kv_raw
+from dynamo.protocol.kv_events import BlocksRemoved, BlocksStored, KVCacheEvent, StoredBlock
 from dynamo.router import _radix_fallback as py
 
 SLOTS = 5
@@ -155,3 +158,58 @@ def test_bad_input_is_refused(native: ModuleType) -> None:
     t.clear(4)
     assert t.num_blocks_total == 0 and t.slots() == []
     t.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_raw_events_apply_as_store_and_remove(native: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    a, b, ref = native.RadixTree(), py.RadixTree(), native.RadixTree()
+    stored: list[list[int]] = []
+    event_id = rng.randrange(3)
+    for step in range(60):
+        s = rng.randrange(SLOTS)
+        events: list[KVCacheEvent] = []
+        want = [0, 0, 0]  # ok, parent not found, block not found
+        for _ in range(rng.randrange(1, 5)):
+            data: BlocksStored | BlocksRemoved
+            if rng.random() < 0.6:
+                ids, hashes = chain(rng, rng.randrange(1, 6))
+                parent = None if rng.random() < 0.4 else an_id(rng)
+                data = BlocksStored(
+                    parent_hash=parent,
+                    blocks=[StoredBlock(i, h) for i, h in zip(ids, hashes, strict=True)],
+                )
+                want[0 if ref.store(s, parent, data.blocks) else 1] += 1
+                stored.append(hashes)
+            else:
+                ids = [an_id(rng) for _ in range(rng.randrange(0, 4))]
+                data = BlocksRemoved(block_hashes=ids)
+                want[2 if ref.remove(s, ids) else 0] += 1
+            events.append(KVCacheEvent(event_id=event_id, data=data, dp_rank=seed))
+            event_id += 1
+        raw = kv_raw.encode(events)
+        assert kv_raw.header(raw) == (seed, events[0].event_id, len(events))
+        assert kv_raw.decode(raw) == events, step
+        assert a.apply_raw(s, raw) == b.apply_raw(s, raw) == tuple(want), step
+        queries = [rng.choice(stored) for _ in range(3)] if stored else []
+        same_state(a, b, rng, queries)
+        same_state(a, ref, rng, queries)
+    assert a.apply_raw(0, b"") == b.apply_raw(0, b"") == (0, 0, 0)
+
+
+@pytest.mark.parametrize("impl", ["native", "fallback"])
+def test_malformed_raw_events_are_refused_whole(native: ModuleType, impl: str) -> None:
+    t = native.RadixTree() if impl == "native" else py.RadixTree()
+    stored = KVCacheEvent(
+        event_id=4, data=BlocksStored(parent_hash=None, blocks=[StoredBlock(1, 11)])
+    )
+    good = kv_raw.encode([stored])
+    words = struct.pack("=3Q", 0, 4, 2)  # two events announced, none follows
+    bad_kind = struct.pack("=5Q", 0, 4, 1, 3 | 1 << 8, 7)
+    for raw in (good[:-8], good[:-1], good + bytes(8), words, good[:16], bad_kind):
+        with pytest.raises(ValueError):
+            t.apply_raw(0, raw)
+    with pytest.raises(TypeError):
+        t.apply_raw(0, bytearray(good))  # type: ignore[arg-type]
+    assert t.num_blocks_total == 0  # nothing applied
+    assert t.apply_raw(0, good) == (1, 0, 0) and t.holds(0, 1)
