@@ -9,11 +9,12 @@ they cannot be built:
   targets in one call), ``router._radix`` (the KV prefix tree: a native table of
   blocks; the fallback keeps path-compressed runs), ``runtime._sender`` (write-behind),
   ``engine_core._pass`` and ``engine_core._kv`` (the scheduler pass's loops and the KV
-  manager: a native table; the fallback keeps Python containers), ``bench._draw`` (the
-  workloads' random words: ``random.choices``' draws), ``replay._events`` (the replay's event
-  queue; the fallback is heapq), ``replay._deliver`` (a replay pass's tokens into the requests'
-  records), ``bench._stats`` (the report's order statistics of a series;
-  the fallback sorts the Python list);
+  manager: a native table; the fallback keeps Python containers), ``engine_core._sequence``
+  (a request's ``Sequence`` built at its slot offsets, without its ``__init__``),
+  ``bench._draw`` (the workloads' random words: ``random.choices``' draws),
+  ``replay._events`` (the replay's event queue; the fallback is heapq), ``replay._deliver``
+  (a replay pass's tokens into the requests' records), ``bench._stats`` (the report's order
+  statistics of a series; the fallback sorts the Python list);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
   ``slot_tracker._loads`` (``/potential_loads``), ``pytorch._paged_attn`` (decode attention) and

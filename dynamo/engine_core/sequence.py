@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import xxhash
 
+from dynamo import native
 from dynamo.engine_core.config import SchedulerLimits
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.protocol.output import FinishReason
@@ -25,6 +27,12 @@ from dynamo.router.hashing import (
     sequence_hashes,
 )
 from dynamo.runtime.errors import InvalidArgument
+
+_kernel = native.load("dynamo.engine_core._sequence", "dynamo.engine_core._sequence_fallback")
+if TYPE_CHECKING:
+    from dynamo.engine_core._sequence import build as _build
+else:
+    _build = _kernel.build
 
 
 class SequenceStatus(Enum):
@@ -238,21 +246,42 @@ def new_sequence(
     stop_ids = frozenset(stop_token_ids) if stop_token_ids else _NO_IDS
     if config.disaggregation_mode != "decode":
         handoff = None
-    return Sequence(
-        request_id=request_id,
-        tokens=list(token_ids),
-        num_prompt_tokens=isl,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        block_size=config.block_size,
-        lora_name=lora_name,
-        rng_state=request_seed(seed_id or request_id, seed) & _MASK64,
-        stop_token_ids=stop_ids if ignore_eos else stop_ids | eos,
-        banned_token_ids=eos,
-        arrival=now,
-        handoff=handoff,
-        pending_transfer=handoff is not None,
-        reuse_prefix_cache=reuse_prefix_cache,
-        local_hashes=list(hashes[0]) if hashes is not None else [],
-        block_hashes=list(hashes[1]) if hashes is not None else [],
+    bs = config.block_size
+    local = list(hashes[0]) if hashes is not None else []
+    chained = list(hashes[1]) if hashes is not None else []
+    if len(local) != isl // bs:  # not handed in: hashed as Sequence.__post_init__ does
+        local = local_block_hashes(token_ids, bs, lora_name=lora_name)
+        chained = sequence_hashes(local)
+    # Sequence(...) without its __init__ and __post_init__ (_sequence.pyi): every field in
+    # order, as they would set it (tests/unit/engine_core/test_sequence_native.py).
+    return _build(
+        Sequence,
+        (
+            request_id,
+            list(token_ids),
+            isl,
+            max_tokens,
+            min_tokens,
+            bs,
+            lora_name,
+            request_seed(seed_id or request_id, seed) & _MASK64,
+            stop_ids if ignore_eos else stop_ids | eos,
+            eos,
+            now,
+            handoff,
+            handoff is not None,  # pending_transfer
+            reuse_prefix_cache,
+            SequenceStatus.WAITING,
+            0,  # num_computed_tokens
+            0,  # prefill_end
+            None,  # num_cached_tokens
+            0.0,  # ready_at
+            0,  # num_preemptions
+            None,  # finish_reason
+            local,
+            chained,
+            [],  # full_blocks
+            [],  # unique_blocks
+            block_seed(lora_name),  # hash_seed
+        ),
     )

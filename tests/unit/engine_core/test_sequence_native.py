@@ -1,0 +1,142 @@
+"""engine_core/_sequence.c against its fallback, and ``new_sequence``'s construction (``build``,
+no ``__init__``) against the dataclass's own ``Sequence(...)``: every field the same, on
+randomized requests (hashes handed in, of the wrong length or not at all; LoRA names, handoffs,
+stop and EOS ids, seeds, each disaggregation mode)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from dynamo.engine_core import _sequence_fallback as py
+from dynamo.engine_core.sequence import Sequence, new_sequence, request_seed
+from dynamo.protocol.disagg import DisaggregatedParams
+from dynamo.router.hashing import local_block_hashes, sequence_hashes
+
+MASK64 = (1 << 64) - 1
+
+
+@pytest.fixture(scope="module")
+def native() -> ModuleType:
+    return pytest.importorskip("dynamo.engine_core._sequence")
+
+
+class Limits:
+    def __init__(self, mode: str, block_size: int) -> None:
+        self.block_size, self.disaggregation_mode = block_size, mode
+        self.num_gpu_blocks, self.max_num_batched_tokens = 4096, 8192
+        self.enable_chunked_prefill, self.max_model_len = True, 10_000
+        self.total_kv_tokens = self.num_gpu_blocks * block_size
+
+
+def dataclass_built(cfg: Limits, tokens: list[int], rid: str, now: float, **kw: Any) -> Sequence:
+    """The request's Sequence through the dataclass's __init__ and __post_init__ (what
+    new_sequence built before ``build``), from the same values."""
+    eos = frozenset(kw["eos"]) if kw["eos"] else frozenset()
+    stops = frozenset(kw["stops"]) if kw["stops"] else frozenset()
+    max_tokens = 1 if cfg.disaggregation_mode == "prefill" else kw["max_tokens"]
+    handoff = kw["handoff"] if cfg.disaggregation_mode == "decode" else None
+    hashes = kw["hashes"]
+    return Sequence(
+        request_id=rid,
+        tokens=list(tokens),
+        num_prompt_tokens=len(tokens),
+        max_tokens=max_tokens,
+        min_tokens=0 if cfg.disaggregation_mode == "prefill" else kw["min_tokens"],
+        block_size=cfg.block_size,
+        lora_name=kw["lora"],
+        rng_state=request_seed(rid, kw["seed"]) & MASK64,
+        stop_token_ids=stops if kw["ignore_eos"] else stops | eos,
+        banned_token_ids=eos,
+        arrival=now,
+        handoff=handoff,
+        pending_transfer=handoff is not None,
+        reuse_prefix_cache=kw["reuse"],
+        local_hashes=list(hashes[0]) if hashes is not None else [],
+        block_hashes=list(hashes[1]) if hashes is not None else [],
+    )
+
+
+def test_new_sequence_builds_what_the_dataclass_builds() -> None:
+    rng = random.Random(5)
+    handoff = DisaggregatedParams(prefill_worker_id=7, block_hashes=[1, 2])
+    for case in range(300):
+        bs = rng.choice([1, 4, 16])
+        cfg = Limits(rng.choice(["agg", "agg", "prefill", "decode"]), bs)
+        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
+        lora = rng.choice([None, None, "adapter-a"])
+        local = local_block_hashes(tokens, bs, lora_name=lora)
+        hashes = rng.choice([None, (local, sequence_hashes(local)), (local[:-1], [])])
+        kw: dict[str, Any] = {
+            "max_tokens": rng.randrange(1, 40),
+            "min_tokens": rng.choice([0, 0, 1]),
+            "stops": rng.choice([(), (3, 4)]),
+            "eos": rng.choice([(), (2,)]),
+            "ignore_eos": rng.random() < 0.5,
+            "lora": lora,
+            "seed": rng.choice([None, 11]),
+            "handoff": rng.choice([None, handoff]),
+            "reuse": rng.random() < 0.8,
+            "hashes": hashes,
+        }
+        got = new_sequence(
+            cfg,  # type: ignore[arg-type]
+            tokens,
+            f"r{case}",
+            case * 0.5,
+            max_tokens=kw["max_tokens"],
+            min_tokens=kw["min_tokens"],
+            stop_token_ids=kw["stops"],
+            eos_token_ids=kw["eos"],
+            ignore_eos=kw["ignore_eos"],
+            lora_name=lora,
+            seed=kw["seed"],
+            handoff=kw["handoff"],
+            reuse_prefix_cache=kw["reuse"],
+            hashes=hashes,
+        )
+        want = dataclass_built(cfg, tokens, f"r{case}", case * 0.5, **kw)
+        for f in fields(Sequence):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            assert a == b and type(a) is type(b), f.name
+        for name in ("tokens", "local_hashes", "block_hashes", "full_blocks", "unique_blocks"):
+            assert getattr(got, name) is not getattr(want, name)  # fresh lists, never shared
+        assert got.tokens is not tokens and got.local_hashes is not local
+        if hashes is not None:
+            assert got.local_hashes is not hashes[0] and got.block_hashes is not hashes[1]
+
+
+@dataclass(slots=True)
+class Point:
+    x: int
+    y: list[int]
+    label: str | None = None
+
+
+class Loose:
+    pass
+
+
+class Named:
+    __slots__ = "x"
+
+
+@pytest.mark.parametrize("module", ["native", "fallback"])
+def test_build_sets_the_slots_in_order(native: ModuleType, module: str) -> None:
+    impl = native if module == "native" else py
+    y = [1, 2]
+    p = impl.build(Point, (3, y, None))
+    assert type(p) is Point and p == Point(3, [1, 2], None) and p.y is y
+    q = impl.build(Sequence, tuple(range(len(Sequence.__slots__))))  # type: ignore[attr-defined]
+    assert [getattr(q, f.name) for f in fields(Sequence)] == list(range(len(fields(Sequence))))
+    assert impl.build(Point, ("a", "b", "c")) == Point("a", "b", "c")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one value per slot"):
+        impl.build(Point, (1, 2))
+    for cls in (Loose, Named, int):
+        with pytest.raises(TypeError, match="plain object slots"):
+            impl.build(cls, (1,))
+    assert impl.build(Point, (5, [], "p")).label == "p"  # after a refused class
