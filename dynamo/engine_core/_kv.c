@@ -21,6 +21,9 @@
  * is in-process) one buffer of words a drain (dynamo/protocol/kv_raw.py), written as the
  * blocks change: no object per event or block.
  *
+ * ``_C_API`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
+ * ``num_slots_needed``, ``use``) on keys converted once, for ``_pass.c``.
+ *
  * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native``
  * picks one) and tests/unit/engine_core/test_kv_native.py holds the two to the same events and
  * state on random operation sequences.
@@ -32,6 +35,7 @@
 #include <string.h>
 
 #include "../_u64.h"
+#include "_kv_api.h"
 
 typedef struct {
     uint64_t hash, local;
@@ -677,6 +681,10 @@ store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, PyObject *local, int sile
     return 0;
 }
 
+static int use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems,
+                    uint64_t *keys, uint8_t *negs, const uint8_t *ok, Py_ssize_t n,
+                    int announce);
+
 static PyObject *
 KV_use(KV *kv, PyObject *args, PyObject *kwds)
 {
@@ -700,24 +708,46 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
         return NULL;
     }
     PyObject *res = NULL;
-    Run run = {0};
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    PyObject *const *litems = PySequence_Fast_ITEMS(lseq);
     uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     uint8_t *negs = PyMem_Malloc((size_t)(n ? n : 1));
-    Py_ssize_t *absent = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
-    if (keys == NULL || negs == NULL || absent == NULL) {
+    if (keys == NULL || negs == NULL)
         PyErr_NoMemory();
-        goto done;
-    }
-    if (PySequence_Fast_GET_SIZE(lseq) < n) {
+    else if (PySequence_Fast_GET_SIZE(lseq) < n)
         PyErr_SetString(PyExc_IndexError, "local_hashes is shorter than block_hashes");
+    else if (use_keys((PyObject *)kv, PySequence_Fast_ITEMS(seq), PySequence_Fast_ITEMS(lseq),
+                      keys, negs, NULL, n, announce) == 0)
+        res = Py_NewRef(Py_None);
+    PyMem_Free(keys);
+    PyMem_Free(negs);
+    Py_DECREF(seq);
+    Py_DECREF(lseq);
+    return res;
+}
+
+/* ``use`` of the chain ``items`` (local hashes ``litems``, at least n) whose keys are in
+ * keys/negs where ok[i] (ok NULL: none converted yet; converted here, in order): 0, or -1
+ * with the error ``use`` raises. The capsule's ``use`` (_kv_api.h). */
+static int
+use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
+         uint8_t *negs, const uint8_t *ok, Py_ssize_t n, int announce)
+{
+    KV *kv = (KV *)self;
+    if (!kv->enable_prefix_caching) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "full blocks are not used when prefix caching is off");
+        return -1;
+    }
+    int rc = -1;
+    Run run = {0};
+    Py_ssize_t *absent = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (absent == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
     Py_ssize_t missing = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (need_key(items[i], &keys[i], &negs[i]) < 0)
+        if ((ok == NULL || !ok[i]) && need_key(items[i], &keys[i], &negs[i]) < 0)
             goto done;
         int32_t s = map_get(kv, keys[i]);
         if (s < 0 || kv->e[s].refcount == 0)
@@ -768,16 +798,11 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
             ((k + 1 == nabsent || absent[k + 1] != i + 1) && run_close(kv, &run) < 0))
             goto done;
     }
-    res = Py_None;
-    Py_INCREF(res);
+    rc = 0;
 done:
     Py_XDECREF(run.list);
-    PyMem_Free(keys);
-    PyMem_Free(negs);
     PyMem_Free(absent);
-    Py_DECREF(seq);
-    Py_DECREF(lseq);
-    return res;
+    return rc;
 }
 
 static PyObject *
@@ -879,7 +904,8 @@ KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
             run_parent = hs[i];
             continue;
         }
-        if (store_full(kv, u, h, neg, ls[i], 0) < 0 || run_add(kv, &run, run_parent, hs[i], ls[i]) < 0)
+        if (store_full(kv, u, h, neg, ls[i], 0) < 0 ||
+            run_add(kv, &run, run_parent, hs[i], ls[i]) < 0)
             goto done;
     }
     if (run_close(kv, &run) < 0)
@@ -1213,6 +1239,47 @@ static PyTypeObject KVType = {
     .tp_members = KV_members,
 };
 
+/* ---- the admission calls for C callers (_kv_api.h) ------------------------------------- */
+
+static void
+api_keys_of(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs, uint8_t *ok)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int rc = to_key(items[i], &keys[i], &negs[i]);
+        if (rc < 0)
+            PyErr_Clear(); /* as find(): not found */
+        ok[i] = rc > 0;
+    }
+}
+
+static Py_ssize_t
+api_cached_prefix(PyObject *self, const uint64_t *keys, const uint8_t *ok, Py_ssize_t n)
+{
+    const KV *kv = (const KV *)self;
+    Py_ssize_t i = 0;
+    if (kv->enable_prefix_caching)
+        while (i < n && ok[i] && map_get(kv, keys[i]) >= 0)
+            i++;
+    return i;
+}
+
+static Py_ssize_t
+api_slots_missing(PyObject *self, const uint64_t *keys, const uint8_t *ok, Py_ssize_t n)
+{
+    const KV *kv = (const KV *)self;
+    Py_ssize_t missing = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = ok[i] ? map_get(kv, keys[i]) : -1;
+        if (s < 0 || kv->e[s].refcount == 0)
+            missing++;
+    }
+    return missing;
+}
+
+static DynKVApi kv_api = {
+    &KVType, api_keys_of, api_cached_prefix, api_slots_missing, use_keys,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kv",
     "KVManager as a native table (contract: _kv.pyi; fallback: _kv_fallback.py).",
@@ -1230,6 +1297,12 @@ PyInit__kv(void)
     Py_INCREF(&KVType);
     if (PyModule_AddObject(m, "KVManager", (PyObject *)&KVType) < 0) {
         Py_DECREF(&KVType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&kv_api, DYN_KV_API_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

@@ -16,7 +16,8 @@
  * and written in place: the offsets of the class's member descriptors are learned once, so a
  * field access is a load, not an attribute lookup (any other object goes through getattr /
  * setattr, with the same results). The KV manager is called through its public methods, so
- * either of its implementations works.
+ * either of its implementations works; an admission with the native one converts the prompt's
+ * chain of hashes once and makes its three calls in C (``_kv_api.h``).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +27,7 @@
 
 #include "../_slots.h"
 #include "../_u64.h"
+#include "_kv_api.h"
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define LCG_MUL 6364136223846793005ULL
@@ -59,6 +61,9 @@ static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_bloc
     *s_drain_raw_events, *s_raw_events, *s_enable_prefix_caching,
     *s_max_num_batched_tokens, *s_block_size, *s_preemption_mode, *s_max_num_seqs,
     *s_enable_chunked_prefill, *s_popleft, *s_appendleft, *s_announce_kw, *s_num_cached_tokens;
+
+/* The native KV manager's admission calls (_kv_api.h), or NULL (not built: the methods). */
+static const DynKVApi *kv_api;
 
 /* Learned once from dynamo.engine_core.sequence / dynamo.protocol.output (strong refs). */
 static PyObject *st_waiting, *st_running, *st_finished, *fr_length, *fr_stop, *hash_fn,
@@ -101,6 +106,8 @@ ensure_ready(void)
         (hash_fn = attr_of("xxhash", "xxh3_64_intdigest", NULL)) == NULL ||
         (chain_seed = PyLong_FromUnsignedLongLong(SEQUENCE_SEED)) == NULL)
         return -1;
+    if ((kv_api = PyCapsule_Import(DYN_KV_API_CAPSULE, 0)) == NULL)
+        PyErr_Clear(); /* the native KV manager is not built: its methods are called */
     /* last: its presence says everything above is set */
     st_running = attr_of("dynamo.engine_core.sequence", "SequenceStatus", "RUNNING");
     return st_running == NULL ? -1 : 0;
@@ -677,6 +684,22 @@ allocate(Pass *ps, PyObject *seq)
         return -1;
     int rc = -1;
     PyObject *locals = NULL, *full = NULL, *local = NULL, *r = NULL, *unique = NULL;
+    /* The native KV manager and a list: the chain's keys converted once for its three calls
+     * (_kv_api.h), not once a method call. */
+    int direct = kv_api != NULL && Py_TYPE(ps->kv) == kv_api->type && PyList_CheckExact(chain);
+    Py_ssize_t nchain = direct ? PyList_GET_SIZE(chain) : 0;
+    uint64_t *keys = NULL;
+    uint8_t *negs = NULL, *ok = NULL;
+    if (direct) {
+        keys = PyMem_Malloc((size_t)(nchain ? nchain : 1) * (sizeof(uint64_t) + 2));
+        if (keys == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        negs = (uint8_t *)(keys + (nchain ? nchain : 1));
+        ok = negs + (nchain ? nchain : 1);
+        kv_api->keys_of(PySequence_Fast_ITEMS(chain), nchain, keys, negs, ok);
+    }
     if (pending) {
         computed = ntok - 1; /* KV arrives from the prefill worker; recompute the last one */
     } else {
@@ -684,7 +707,9 @@ allocate(Pass *ps, PyObject *seq)
         if (reuse < 0)
             goto done;
         Py_ssize_t hit = 0;
-        if (reuse) {
+        if (reuse && direct) {
+            hit = kv_api->cached_prefix(ps->kv, keys, ok, nchain);
+        } else if (reuse) {
             PyObject *argv[2] = {ps->kv, chain};
             hit = as_ssize(PyObject_VectorcallMethod(s_num_cached_prefix, argv,
                                                      2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
@@ -703,19 +728,27 @@ allocate(Pass *ps, PyObject *seq)
     Py_ssize_t n_full = !ps->caching ? 0 : pending ? ntok / bs : ceil_div(computed, bs);
     Py_ssize_t n_unique = ceil_div(ntok, bs) - n_full;
     if ((locals = get(seq, F_LOCAL_HASHES)) == NULL ||
-        (full = PySequence_GetSlice(chain, 0, n_full)) == NULL ||
-        (local = PySequence_GetSlice(locals, 0, n_full)) == NULL)
+        (full = PySequence_GetSlice(chain, 0, n_full)) == NULL)
         goto done;
-    PyObject *count = PyLong_FromSsize_t(n_unique);
-    if (count == NULL)
+    if (direct && PyList_CheckExact(locals)) {
+        /* use() takes the local hashes as they are: locals[:n_full], no slice */
+    } else if ((local = PySequence_GetSlice(locals, 0, n_full)) == NULL) {
         goto done;
-    PyObject *argv[3] = {ps->kv, full, count};
-    Py_ssize_t needed = as_ssize(
-        PyObject_VectorcallMethod(s_num_slots_needed, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                  NULL));
-    Py_DECREF(count);
-    if (needed == -1 && PyErr_Occurred())
-        goto done;
+    }
+    Py_ssize_t needed;
+    if (direct) { /* ``full`` is chain[:n_full]: its keys lead the chain's */
+        needed = kv_api->slots_missing(ps->kv, keys, ok, PyList_GET_SIZE(full)) + n_unique;
+    } else {
+        PyObject *count = PyLong_FromSsize_t(n_unique);
+        if (count == NULL)
+            goto done;
+        PyObject *argv[3] = {ps->kv, full, count};
+        needed = as_ssize(PyObject_VectorcallMethod(s_num_slots_needed, argv,
+                                                    3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+        Py_DECREF(count);
+        if (needed == -1 && PyErr_Occurred())
+            goto done;
+    }
     Py_ssize_t available = as_ssize(PyObject_GetAttr(ps->kv, s_num_available_blocks));
     if (available == -1 && PyErr_Occurred())
         goto done;
@@ -726,11 +759,22 @@ allocate(Pass *ps, PyObject *seq)
     if (PyList_Check(full) ? PyList_GET_SIZE(full) > 0 : PyObject_IsTrue(full) == 1) {
         /* Blocks received from a prefill worker are not announced: routers only index what
          * this worker computed (the prefill worker owns the prompt's KV, FACTS §9.1). */
-        PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
-        r = PyObject_VectorcallMethod(s_use, uargv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                      s_announce_kw);
-        if (r == NULL)
-            goto done;
+        if (local == NULL) { /* direct, with the local hashes' list as it is */
+            Py_ssize_t nf = PyList_GET_SIZE(full);
+            if (PyList_GET_SIZE(locals) < nf) {
+                PyErr_SetString(PyExc_IndexError, "local_hashes is shorter than block_hashes");
+                goto done;
+            }
+            if (kv_api->use(ps->kv, PySequence_Fast_ITEMS(chain), PySequence_Fast_ITEMS(locals),
+                            keys, negs, ok, nf, !pending) < 0)
+                goto done;
+        } else {
+            PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
+            r = PyObject_VectorcallMethod(s_use, uargv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                          s_announce_kw);
+            if (r == NULL)
+                goto done;
+        }
     }
     if ((unique = allocate_unique(ps->kv, n_unique)) == NULL)
         goto done;
@@ -765,6 +809,7 @@ allocate(Pass *ps, PyObject *seq)
         goto done;
     rc = 1;
 done:
+    PyMem_Free(keys);
     Py_DECREF(chain);
     Py_XDECREF(locals);
     Py_XDECREF(full);

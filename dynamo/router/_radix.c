@@ -572,8 +572,9 @@ keys_of(PyObject *seq, Py_ssize_t n, uint8_t *negs)
     return out;
 }
 
-/* Store the chain (ids bl[i * stride], given negative where bneg[i] (NULL: none), local hashes
- * hl[i * stride]) under the parent id (none: the root): 1 stored, 0 the parent is unknown or was lost (see store_hashes), -1 error. */
+/* Store the chain (ids bl[i * stride], given negative where bneg[i] (NULL: none), local
+ * hashes hl[i * stride]) under the parent id (none: the root): 1 stored, 0 the parent is
+ * unknown or was lost (see store_hashes), -1 error. */
 static int
 store_chain(Tree *t, uint32_t slot, int has_parent, uint64_t parent, const uint64_t *bl,
             const uint8_t *bneg, const uint64_t *hl, Py_ssize_t n, Py_ssize_t stride)

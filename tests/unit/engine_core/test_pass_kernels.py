@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamo.engine_core import _pass_fallback, scheduler
+from dynamo.engine_core import _kv_fallback, _pass_fallback, scheduler
 from dynamo.engine_core.scheduler import Scheduler
 from dynamo.engine_core.sequence import Sequence, SequenceStatus, sequence_from_request
 from dynamo.protocol import kv_raw
@@ -158,16 +158,22 @@ def drive(
     *,
     fused: bool = False,
     raw: bool = False,
+    py_kv: bool = False,
     plans: list[Any] | None = None,
 ) -> list[Any]:
     """A random life of one scheduler on ``impl``'s kernels: everything observable, in order
     (each pass's batch into ``plans``). ``fused``: each pass is one ``mock_pass`` call; ``raw``:
-    its KV manager records raw events (logged decoded)."""
+    its KV manager records raw events (logged decoded); ``py_kv``: the KV manager is the Python
+    twin (the native pass calls its methods instead of the native one's C calls)."""
     plans = [] if plans is None else plans
     for name in ("schedule_pass", "update_pass", "release_blocks", "mock_pass"):
         monkeypatch.setattr(scheduler, name, getattr(impl, name))
     rng = random.Random(seed)
     sched = Transfers(shape)
+    if py_kv:
+        sched.kv = _kv_fallback.KVManager(
+            shape.num_gpu_blocks, enable_prefix_caching=shape.enable_prefix_caching
+        )
     if raw:
         sched.kv.record_raw_events()
     groups = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
@@ -254,6 +260,7 @@ def test_scheduler_pass_matches_the_fallback(
         want = drive(_pass_fallback, seed, shape, monkeypatch, plans=plans[0])
         got = drive(native, seed, shape, monkeypatch, plans=plans[1])
         assert got == want
+        assert drive(native, seed, shape, monkeypatch, py_kv=True) == want
         assert plans[0] == plans[1]
         for fused_impl in (_pass_fallback, native):  # the mocker's single call: the same life
             assert drive(fused_impl, seed, shape, monkeypatch, fused=True) == want
@@ -353,3 +360,49 @@ def test_native_pass_reads_other_sequence_classes_through_attributes(native: Mod
         results.append(log)
     assert results[0] == results[1]
     assert any(row[0] for row in results[0])  # a preemption happened on both paths
+
+
+class OtherList(list):  # type: ignore[type-arg]
+    """Not an exact list: the native pass calls the KV manager's methods with it."""
+
+
+@pytest.mark.parametrize("bad", [None, "x", 1 << 64, -(1 << 63) - 1])
+def test_an_admission_in_c_refuses_what_the_methods_refuse(native: ModuleType, bad: Any) -> None:
+    """The native KV manager's admission in C (``_kv_api.h``: the chain converted once) and
+    its methods (a list subclass takes them): the same admissions, the same errors."""
+    native_kv = pytest.importorskip("dynamo.engine_core._kv")
+    outcomes = []
+    for chain_type in (list, OtherList):
+        results = []
+        for good in (True, False):
+            sched = Scheduler(Shape(num_gpu_blocks=40, max_num_batched_tokens=100))
+            sched.kv = native_kv.KVManager(40)  # the native one (DYN_NATIVE=0 too)
+            for i in range(3):
+                request = PreprocessedRequest(
+                    model="m", token_ids=list(range(i, i + 20)), stop=StopConditions(max_tokens=4)
+                )
+                seq = sequence_from_request(Shape(), request, f"r{i}", 0.0)
+                seq.pending_transfer = True  # a received prompt: all its full blocks are used
+                seq.handoff = DisaggregatedParams(prefill_worker_id=1, num_cached_tokens=0)
+                hashes = list(seq.block_hashes)
+                if not good and i == 2:
+                    hashes[1] = bad
+                seq.block_hashes = chain_type(hashes)
+                sched.enqueue(seq)
+            try:
+                entries, *_ = native.schedule_pass(
+                    sched._running,  # noqa: SLF001
+                    sched._waiting,  # noqa: SLF001
+                    sched.kv,
+                    sched.config,
+                    0.0,
+                    sched.transfer_seconds,
+                )
+                results.append([(s.request_id, n, list(s.full_blocks)) for s, n in entries])
+                sched.check_invariants()
+            except (TypeError, OverflowError) as exc:
+                results.append(type(exc).__name__)
+        outcomes.append(results)
+    assert outcomes[0] == outcomes[1]
+    assert isinstance(outcomes[0][0], list) and outcomes[0][0][0][2]  # full blocks were used
+    assert isinstance(outcomes[0][1], str)  # the bad hash was refused

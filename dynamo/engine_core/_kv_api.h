@@ -1,0 +1,36 @@
+/*
+ * dynamo/engine_core/_kv_api.h: the native KV manager's admission calls for C callers, as a
+ * capsule ``dynamo.engine_core._kv._C_API`` (a DynKVApi), so that ``_pass.c`` converts an
+ * admitted prompt's chain of block hashes once instead of once per method call
+ * (``num_cached_prefix``, ``num_slots_needed``, ``use``: each converted the same 64-bit ints).
+ *
+ * Each function takes an instance of ``type`` (the native ``KVManager``) and does exactly what
+ * its method does with the chain whose keys ``keys_of`` gave (``ok[i]`` 0: ``items[i]`` is not
+ * a 64-bit int, for which the methods' lookups find nothing and ``use`` raises). A caller with
+ * any other KV manager (the Python twin) calls the methods.
+ */
+#ifndef DYNAMO_KV_API_H
+#define DYNAMO_KV_API_H
+
+#include <Python.h>
+#include <stdint.h>
+
+#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API"
+
+typedef struct {
+    PyTypeObject *type;
+    /* items[:n] as keys; never fails (what is not a 64-bit int gets ok 0) */
+    void (*keys_of)(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs,
+                    uint8_t *ok);
+    /* num_cached_prefix(items[:n]) */
+    Py_ssize_t (*cached_prefix)(PyObject *kv, const uint64_t *keys, const uint8_t *ok,
+                                Py_ssize_t n);
+    /* num_slots_needed(items[:n], 0) */
+    Py_ssize_t (*slots_missing)(PyObject *kv, const uint64_t *keys, const uint8_t *ok,
+                                Py_ssize_t n);
+    /* use(items[:n], litems[:n], announce=announce): 0, or -1 with its error */
+    int (*use)(PyObject *kv, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
+               uint8_t *negs, const uint8_t *ok, Py_ssize_t n, int announce);
+} DynKVApi;
+
+#endif
