@@ -136,7 +136,7 @@ class InflightRequest:
         )
         meters.active.n += 1  # active_requests and inflight_requests
         meters.queued.n += 1
-        meters.started.inc()
+        meters.started.n += 1
         self.queued = True
         return self.ctx
 
@@ -177,10 +177,10 @@ class InflightRequest:
                 continue
             key = (f"{sel.instance_id:x}", str(sel.dp_rank or 0), self.worker_type)
             ttft, isl, itl = meters.worker_gauges(key)
-            ttft.set(choice.first_token_at - self.started)
-            isl.set(stats.prompt_tokens)
+            ttft.n = choice.first_token_at - self.started
+            isl.n = float(stats.prompt_tokens)
             if choice.itls:
-                itl.set(sum(choice.itls) / len(choice.itls))
+                itl.n = sum(choice.itls) / len(choice.itls)
 
     def finish(self, status: str = "success", error_type: str = "") -> None:
         """Record the outcome and free what the request holds. Idempotent: the first call wins."""
@@ -196,7 +196,7 @@ class InflightRequest:
         model = self.model
         meters = self.meters
         if status == "success" and not error_type and meters is not None:
-            meters.succeeded.inc()
+            meters.succeeded.n += 1
         else:
             m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
         if status == "error":
@@ -209,7 +209,7 @@ class InflightRequest:
             meters.duration.observe(time.monotonic() - self.started)
             meters.input_tokens.observe(stats.prompt_tokens)
             meters.output_tokens.observe(stats.completion_tokens)
-            meters.output_tokens_total.inc(stats.completion_tokens)
+            meters.output_tokens_total.n += stats.completion_tokens
             first = stats.first_token_at
             if first is not None:
                 meters.ttft.observe(first - self.started)
