@@ -36,27 +36,33 @@ typedef struct {
 static PyObject *s_random;
 static PyCFunction mt_func; /* _random.Random.random's C function; NULL: not in place */
 
-/* genrand_uint32 of _randommodule.c (MT19937). */
-static uint32_t
-mt_next(MTObject *self)
+/* The state's next N words (genrand_uint32's regeneration, MT19937). */
+static void
+mt_refill(MTObject *self)
 {
     static const uint32_t mag01[2] = {0x0U, 0x9908b0dfU};
     uint32_t y, *mt = self->state;
-    if (self->index >= MT_N) { /* generate N words at one time */
-        int kk;
-        for (kk = 0; kk < MT_N - MT_M; kk++) {
-            y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU);
-            mt[kk] = mt[kk + MT_M] ^ (y >> 1) ^ mag01[y & 0x1U];
-        }
-        for (; kk < MT_N - 1; kk++) {
-            y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU);
-            mt[kk] = mt[kk + (MT_M - MT_N)] ^ (y >> 1) ^ mag01[y & 0x1U];
-        }
-        y = (mt[MT_N - 1] & 0x80000000U) | (mt[0] & 0x7fffffffU);
-        mt[MT_N - 1] = mt[MT_M - 1] ^ (y >> 1) ^ mag01[y & 0x1U];
-        self->index = 0;
+    int kk;
+    for (kk = 0; kk < MT_N - MT_M; kk++) {
+        y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU);
+        mt[kk] = mt[kk + MT_M] ^ (y >> 1) ^ mag01[y & 0x1U];
     }
-    y = mt[self->index++];
+    for (; kk < MT_N - 1; kk++) {
+        y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU);
+        mt[kk] = mt[kk + (MT_M - MT_N)] ^ (y >> 1) ^ mag01[y & 0x1U];
+    }
+    y = (mt[MT_N - 1] & 0x80000000U) | (mt[0] & 0x7fffffffU);
+    mt[MT_N - 1] = mt[MT_M - 1] ^ (y >> 1) ^ mag01[y & 0x1U];
+    self->index = 0;
+}
+
+/* genrand_uint32 of _randommodule.c (MT19937): the next output, tempered. */
+static inline uint32_t
+mt_next(MTObject *self)
+{
+    if (self->index >= MT_N) /* generate N words at one time */
+        mt_refill(self);
+    uint32_t y = self->state[self->index++];
     y ^= (y >> 11);
     y ^= (y << 7) & 0x9d2c5680U;
     y ^= (y << 15) & 0xefc60000U;
@@ -65,7 +71,7 @@ mt_next(MTObject *self)
 }
 
 /* random_random of _randommodule.c: 53 random bits as a double in [0, 1). */
-static double
+static inline double
 mt_random(MTObject *self)
 {
     uint32_t a = mt_next(self) >> 5, b = mt_next(self) >> 6;
@@ -127,7 +133,23 @@ draw_into(PyObject *rng, PyObject *out, Py_ssize_t start, Py_ssize_t k, PyObject
         return -1;
     int rc = -1;
     double fn = (double)n;
-    for (Py_ssize_t i = 0; i < k; i++) {
+    Py_ssize_t i = 0;
+    if (src.mt != NULL) { /* in place: the same values, no call and no float object a word */
+        for (; i < k; i++) {
+            double f = mt_random(src.mt) * fn; /* >= 0: truncation is floor */
+            if (!(f < fn))
+                break; /* an empty population, or a product rounded up to n */
+            PyObject *item = items[(Py_ssize_t)f];
+            Py_INCREF(item);
+            PyList_SET_ITEM(out, start + i, item);
+        }
+        if (i < k) { /* the draw just made was out of range, as random.choices finds it */
+            PyErr_SetString(PyExc_IndexError, n ? "list index out of range"
+                                                : "Cannot choose from an empty sequence");
+            goto end;
+        }
+    }
+    for (; i < k; i++) {
         double x;
         if (source_draw(&src, &x) < 0)
             goto end;

@@ -232,6 +232,25 @@ entry_parts(PyObject *entry, PyObject **seq, Py_ssize_t *n)
     return (*n == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* A pass's batch: a list of (sequence, tokens) tuples (the Python-facing calls), or the plan's
+ * arrays of borrowed sequences and counts (``mock_pass``: no tuple a batch entry). */
+typedef struct {
+    PyObject *list;
+    PyObject *const *seq;
+    const Py_ssize_t *n;
+    Py_ssize_t count;
+} Batch;
+
+static int
+batch_at(const Batch *b, Py_ssize_t i, PyObject **seq, Py_ssize_t *n)
+{
+    if (b->list != NULL)
+        return entry_parts(PyList_GET_ITEM(b->list, i), seq, n);
+    *seq = b->seq[i];
+    *n = b->n[i];
+    return 0;
+}
+
 /* 1 if token is in the set (a frozenset or set; None or empty: never), 0 if not, -1 on error. */
 static int
 in_set(PyObject *set, PyObject *token)
@@ -241,6 +260,22 @@ in_set(PyObject *set, PyObject *token)
     return PySet_Contains(set, token);
 }
 
+static PyObject *sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded);
+
+/* sample_tokens's checks of ``excluded`` and ``vocab_size``: 0, or -1 with the error. */
+static int
+sample_args(PyObject *vocab_obj, PyObject *excluded, unsigned long long *vocab)
+{
+    if (!PyAnySet_Check(excluded)) {
+        PyErr_SetString(PyExc_TypeError, "excluded must be a set or frozenset");
+        return -1;
+    }
+    if (ensure_ready() < 0)
+        return -1;
+    *vocab = PyLong_AsUnsignedLongLong(vocab_obj);
+    return (*vocab == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
 static PyObject *
 sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -248,28 +283,30 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "sample_tokens(entries, vocab_size, excluded)");
         return NULL;
     }
-    PyObject *entries = args[0], *excluded = args[2];
+    PyObject *entries = args[0];
     if (!PyList_Check(entries)) {
         PyErr_SetString(PyExc_TypeError, "entries must be a list");
         return NULL;
     }
-    if (!PyAnySet_Check(excluded)) {
-        PyErr_SetString(PyExc_TypeError, "excluded must be a set or frozenset");
+    unsigned long long vocab;
+    if (sample_args(args[1], args[2], &vocab) < 0)
         return NULL;
-    }
-    if (ensure_ready() < 0)
-        return NULL;
-    unsigned long long vocab = PyLong_AsUnsignedLongLong(args[1]);
-    if (vocab == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(entries);
+    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    return sample_core(&b, vocab, args[2]);
+}
+
+/* The mocker's id of each entry of the batch that samples, None for the others. */
+static PyObject *
+sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
+{
+    Py_ssize_t count = b->count;
     PyObject *out = PyList_New(count);
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *seq, *rng, *banned, *token = NULL;
         Py_ssize_t n, computed;
-        if (entry_parts(PyList_GET_ITEM(entries, i), &seq, &n) < 0)
+        if (batch_at(b, i, &seq, &n) < 0)
             goto fail;
         Py_ssize_t position = len_of(seq, F_TOKENS);
         if (position < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
@@ -812,6 +849,93 @@ tuple_of(Py_ssize_t n, PyObject *const *items, const Py_ssize_t *ints)
     return t;
 }
 
+/* Plan the pass: ``ps`` gets its batch (``ps->plan``, only the entries that run, in order)
+ * and its preempted list; ``figures``: (num_prefill_tokens, num_decodes,
+ * decode_context_tokens). -1 on error. The caller frees ``ps->plan`` and ``ps->preempted``
+ * (``ps`` zeroed before the call). ``args``: schedule_pass's six. */
+static int
+schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
+{
+    if (ensure_ready() < 0)
+        return -1;
+    ps->running = args[0], ps->waiting = args[1], ps->kv = args[2], ps->now_obj = args[4];
+    ps->transfer = args[5];
+    PyObject *config = args[3];
+    if (!PyList_Check(ps->running)) {
+        PyErr_SetString(PyExc_TypeError, "running must be a list");
+        return -1;
+    }
+    ps->now = PyFloat_AsDouble(ps->now_obj);
+    if (ps->now == -1.0 && PyErr_Occurred())
+        return -1;
+    if (config_ssize(config, s_max_num_batched_tokens, &ps->max_batched) < 0 ||
+        config_ssize(config, s_block_size, &ps->bs) < 0 ||
+        config_ssize(config, s_max_num_seqs, &ps->max_seqs) < 0 ||
+        (ps->chunked = config_bool(config, s_enable_chunked_prefill)) < 0 ||
+        (ps->caching = config_bool(config, s_enable_prefix_caching)) < 0)
+        return -1;
+    if (ps->bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return -1;
+    }
+    PyObject *mode = PyObject_GetAttr(config, s_preemption_mode);
+    if (mode == NULL)
+        return -1;
+    ps->lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
+    Py_DECREF(mode);
+    ps->budget = ps->max_batched;
+    if ((ps->preempted = PyList_New(0)) == NULL)
+        return -1;
+    Py_ssize_t i = 0;
+    while (i < PyList_GET_SIZE(ps->running) && ps->budget > 0) {
+        PyObject *seq = Py_NewRef(PyList_GET_ITEM(ps->running, i));
+        int rc = plan_one(ps, seq, &i);
+        Py_DECREF(seq);
+        if (rc < 0)
+            return -1;
+    }
+    if (PyList_GET_SIZE(ps->preempted) == 0 && admit_waiting(ps) < 0)
+        return -1;
+    Py_ssize_t prefill = 0, decodes = 0, context = 0, kept = 0;
+    Plan *p = &ps->plan;
+    for (Py_ssize_t k = 0; k < p->len; k++) {
+        Py_ssize_t n = p->n[k], computed, prefill_end;
+        PyObject *seq = p->seq[k];
+        if (n < 0) { /* preempted after it was planned: out of the batch */
+            p->seq[k] = NULL;
+            Py_DECREF(seq);
+            continue;
+        }
+        p->seq[k] = NULL;
+        p->seq[kept] = seq;
+        p->n[kept++] = n;
+        if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
+            get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
+            goto fail;
+        if (computed >= prefill_end) {
+            Py_ssize_t ntok = len_of(seq, F_TOKENS);
+            if (ntok < 0)
+                goto fail;
+            decodes++;
+            context += ntok;
+        } else {
+            prefill += n;
+        }
+        continue;
+    fail: /* the entries not yet moved still hold their references */
+        for (Py_ssize_t j = k + 1; j < p->len; j++)
+            if (p->seq[j] != NULL) {
+                p->seq[kept] = p->seq[j];
+                p->n[kept++] = p->n[j];
+            }
+        p->len = kept;
+        return -1;
+    }
+    p->len = kept;
+    figures[0] = prefill, figures[1] = decodes, figures[2] = context;
+    return 0;
+}
+
 /* schedule_pass(running, waiting, kv, config, now, transfer_seconds): see _pass.pyi. */
 static PyObject *
 schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -821,77 +945,19 @@ schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "schedule_pass(running, waiting, kv, config, now, transfer_seconds)");
         return NULL;
     }
-    if (ensure_ready() < 0)
-        return NULL;
     Pass ps = {0};
-    ps.running = args[0], ps.waiting = args[1], ps.kv = args[2], ps.now_obj = args[4];
-    ps.transfer = args[5];
-    PyObject *config = args[3];
-    if (!PyList_Check(ps.running)) {
-        PyErr_SetString(PyExc_TypeError, "running must be a list");
-        return NULL;
-    }
-    ps.now = PyFloat_AsDouble(ps.now_obj);
-    if (ps.now == -1.0 && PyErr_Occurred())
-        return NULL;
-    if (config_ssize(config, s_max_num_batched_tokens, &ps.max_batched) < 0 ||
-        config_ssize(config, s_block_size, &ps.bs) < 0 ||
-        config_ssize(config, s_max_num_seqs, &ps.max_seqs) < 0 ||
-        (ps.chunked = config_bool(config, s_enable_chunked_prefill)) < 0 ||
-        (ps.caching = config_bool(config, s_enable_prefix_caching)) < 0)
-        return NULL;
-    if (ps.bs <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
-        return NULL;
-    }
-    PyObject *mode = PyObject_GetAttr(config, s_preemption_mode);
-    if (mode == NULL)
-        return NULL;
-    ps.lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
-    Py_DECREF(mode);
-    ps.budget = ps.max_batched;
+    Py_ssize_t figures[3];
     PyObject *entries = NULL, *result = NULL;
-    if ((ps.preempted = PyList_New(0)) == NULL)
+    if (schedule_into(args, &ps, figures) < 0 || (entries = PyList_New(ps.plan.len)) == NULL)
         goto done;
-    Py_ssize_t i = 0;
-    while (i < PyList_GET_SIZE(ps.running) && ps.budget > 0) {
-        PyObject *seq = Py_NewRef(PyList_GET_ITEM(ps.running, i));
-        int rc = plan_one(&ps, seq, &i);
-        Py_DECREF(seq);
-        if (rc < 0)
-            goto done;
-    }
-    if (PyList_GET_SIZE(ps.preempted) == 0 && admit_waiting(&ps) < 0)
-        goto done;
-    if ((entries = PyList_New(0)) == NULL)
-        goto done;
-    Py_ssize_t prefill = 0, decodes = 0, context = 0;
     for (Py_ssize_t k = 0; k < ps.plan.len; k++) {
-        Py_ssize_t n = ps.plan.n[k], computed, prefill_end;
-        PyObject *seq = ps.plan.seq[k];
-        if (n < 0)
-            continue; /* preempted after it was planned */
-        if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
-            get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
+        PyObject *items[2] = {ps.plan.seq[k], NULL};
+        PyObject *entry = tuple_of(2, items, &ps.plan.n[k]);
+        if (entry == NULL)
             goto done;
-        if (computed >= prefill_end) {
-            Py_ssize_t ntok = len_of(seq, F_TOKENS);
-            if (ntok < 0)
-                goto done;
-            decodes++;
-            context += ntok;
-        } else {
-            prefill += n;
-        }
-        PyObject *items[2] = {seq, NULL};
-        PyObject *entry = tuple_of(2, items, &n);
-        int rc = entry == NULL ? -1 : PyList_Append(entries, entry);
-        Py_XDECREF(entry);
-        if (rc < 0)
-            goto done;
+        PyList_SET_ITEM(entries, k, entry);
     }
     PyObject *items[5] = {entries, ps.preempted, NULL, NULL, NULL};
-    Py_ssize_t figures[3] = {prefill, decodes, context};
     result = tuple_of(5, items, figures);
 done:
     plan_free(&ps.plan);
@@ -1121,7 +1187,10 @@ retire(PyObject *kv, PyObject *finished, PyObject *running, PyObject *requests)
     return rc;
 }
 
-/* update_pass's work; its events are ``kv.<drain>()``. */
+static PyObject *update_core(const Batch *b, PyObject *sampled, PyObject *running,
+                             PyObject *requests, PyObject *kv, Py_ssize_t bs, PyObject *drain);
+
+/* update_pass's checks, then its work; its events are ``kv.<drain>()``. */
 static PyObject *
 update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
 {
@@ -1149,6 +1218,15 @@ update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
     }
     if (ensure_ready() < 0)
         return NULL;
+    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    return update_core(&b, sampled, running, requests, kv, bs, drain);
+}
+
+/* Apply the pass (``sampled``: one item per batch entry): (tokens, finished, events). */
+static PyObject *
+update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requests,
+            PyObject *kv, Py_ssize_t bs, PyObject *drain)
+{
     int caching = config_bool(kv, s_enable_prefix_caching);
     if (caching < 0)
         return NULL;
@@ -1156,11 +1234,11 @@ update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
     PyObject *result = NULL;
     if (tokens_out == NULL || finished == NULL)
         goto done;
-    Py_ssize_t count = PyList_GET_SIZE(entries);
+    Py_ssize_t count = b->count;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *seq;
         Py_ssize_t n;
-        if (entry_parts(PyList_GET_ITEM(entries, i), &seq, &n) < 0)
+        if (batch_at(b, i, &seq, &n) < 0)
             goto done;
         Py_INCREF(seq);
         int rc = advance_one(kv, seq, n, PyList_GET_ITEM(sampled, i), bs, caching, tokens_out,
@@ -1202,30 +1280,28 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *running = args[0], *waiting = args[1], *requests = args[2], *kv = args[3];
-    PyObject *config = args[4];
-    PyObject *sargs[6] = {running, waiting, kv, config, args[5], args[6]};
-    PyObject *planned = schedule_pass(module, sargs, 6), *sampled = NULL, *applied = NULL;
-    PyObject *block_size = NULL, *result = NULL;
-    if (planned == NULL)
-        return NULL;
-    PyObject *entries = PyTuple_GET_ITEM(planned, 0);
-    PyObject *pargs[3] = {entries, args[7], args[8]};
-    if ((sampled = sample_tokens(module, pargs, 3)) == NULL ||
-        (block_size = PyObject_GetAttr(config, s_block_size)) == NULL)
+    PyObject *sargs[6] = {running, waiting, kv, args[4], args[5], args[6]};
+    Pass ps = {0};
+    Py_ssize_t figures[3];
+    unsigned long long vocab;
+    PyObject *sampled = NULL, *applied = NULL, *result = NULL;
+    if (schedule_into(sargs, &ps, figures) < 0 || sample_args(args[7], args[8], &vocab) < 0)
         goto done;
-    PyObject *uargs[6] = {entries, sampled, running, requests, kv, block_size};
+    /* the planned batch as it is, with no (sequence, tokens) tuple an entry */
+    Batch b = {NULL, ps.plan.seq, ps.plan.n, ps.plan.len};
+    if ((sampled = sample_core(&b, vocab, args[8])) == NULL)
+        goto done;
     int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */
-    if (raw < 0 || (applied = update_with(uargs, 6, raw ? s_drain_raw_events : s_drain_events)) ==
-                       NULL)
+    if (raw < 0 || (applied = update_core(&b, sampled, running, requests, kv, ps.bs,
+                                          raw ? s_drain_raw_events : s_drain_events)) == NULL)
         goto done;
-    result = PyTuple_Pack(7, PyTuple_GET_ITEM(planned, 1), PyTuple_GET_ITEM(planned, 2),
-                          PyTuple_GET_ITEM(planned, 3), PyTuple_GET_ITEM(planned, 4),
-                          PyTuple_GET_ITEM(applied, 0), PyTuple_GET_ITEM(applied, 1),
-                          PyTuple_GET_ITEM(applied, 2));
+    PyObject *items[7] = {ps.preempted, NULL, NULL, NULL, PyTuple_GET_ITEM(applied, 0),
+                          PyTuple_GET_ITEM(applied, 1), PyTuple_GET_ITEM(applied, 2)};
+    result = tuple_of(7, items, figures);
 done:
-    Py_DECREF(planned);
+    plan_free(&ps.plan);
+    Py_XDECREF(ps.preempted);
     Py_XDECREF(sampled);
-    Py_XDECREF(block_size);
     Py_XDECREF(applied);
     return result;
 }

@@ -63,3 +63,25 @@ def test_stage_counts_and_times_even_when_the_block_raises() -> None:
         raise RuntimeError("boom")
     assert _sample(r, "t_stage_requests", stage="route", phase="") == 0
     assert _sample(r, "t_stage_duration_seconds_count", stage="route") == 2
+
+
+def test_request_meters_levels_are_what_the_in_flight_gauges_export() -> None:
+    m = FrontendMetrics("t")
+    r = m.registry
+    a = m.meters.request("demo", "chat_completions", "stream", "ns")
+    b = m.meters.request("demo", "completions", "unary", "ns")
+    assert m.meters.request("demo", "chat_completions", "stream", "ns") is a
+    assert a.active is b.active and a.queued is b.queued  # one level per model
+    a.active.n += 2
+    b.queued.n += 1
+    for name in ("t_active_requests", "t_inflight_requests"):
+        assert _sample(r, name, model="demo") == 2
+    assert _sample(r, "t_queued_requests", model="demo") == 1
+    a.active.n -= 2
+    assert _sample(r, "t_active_requests", model="demo") == 0
+    a.succeeded.inc()
+    labels = dict(model="demo", endpoint="chat_completions", request_type="stream")
+    assert _sample(r, "t_requests_total", status="success", error_type="", **labels) == 1
+    with m.meters.stage("dispatch", "decode").timer():
+        assert _sample(r, "t_stage_requests", stage="dispatch", phase="decode") == 1
+    assert _sample(r, "t_stage_requests", stage="dispatch", phase="decode") == 0
