@@ -428,19 +428,19 @@ _PHASES = {"agg": "aggregated", "prefill": "prefill", "decode": "decode"}
 class _DispatchStage:
     """The ``dispatch`` stage of one attempt: sent, until its first response (or its end)."""
 
-    __slots__ = ("_metrics", "_phase", "_started")
+    __slots__ = ("_meter", "_started")
 
     def __init__(self, metrics: FrontendMetrics | None, role: str) -> None:
-        self._metrics = metrics
-        self._phase = _PHASES.get(role, role)
+        self._meter = (
+            None if metrics is None else metrics.meters.stage("dispatch", _PHASES.get(role, role))
+        )
         self._started: float | None = None
-        if metrics is not None:
-            metrics.stage_requests.labels("dispatch", self._phase).inc()
+        if self._meter is not None:
+            self._meter.level.n += 1
             self._started = time.perf_counter()
 
     def done(self) -> None:
-        if self._metrics is not None and self._started is not None:
-            self._metrics.stage_requests.labels("dispatch", self._phase).dec()
-            elapsed = time.perf_counter() - self._started
-            self._metrics.stage_duration.labels("dispatch").observe(elapsed)
+        if self._meter is not None and self._started is not None:
+            self._meter.level.n -= 1
+            self._meter.duration.observe(time.perf_counter() - self._started)
             self._started = None

@@ -184,7 +184,7 @@ class GenerateHandler:
                     began = time.perf_counter()
                     prepared, extras = await self._prepare(preprocessor, req, inflight)
                     elapsed_ms = (time.perf_counter() - began) * 1000.0
-                    self._m.tokenizer_latency.labels(req.model).observe(elapsed_ms)
+                    self._m.meters.model(req.model).tokenizer_latency.observe(elapsed_ms)
                     span.set_attribute("input_tokens", prepared[0].num_prompt_tokens)
             except Exception as exc:
                 inflight.fail(http, exc, self._overload_status)

@@ -26,6 +26,7 @@ from dynamo.frontend.pipeline import ChoiceStats, RunStats
 from dynamo.frontend.priority import PRIORITY_HEADER, STRICT_PRIORITY_HEADER
 from dynamo.frontend.streaming import JSON_HEADERS, Formatter
 from dynamo.observability import tracing
+from dynamo.observability.meters import RequestMeters
 from dynamo.observability.metrics import FrontendMetrics, observe_many
 from dynamo.preprocess import Prepared
 from dynamo.runtime.context import Context
@@ -59,6 +60,7 @@ class InflightRequest:
         "queued",
         "worker_type",
         "status",
+        "meters",
     )
 
     def __init__(
@@ -106,6 +108,7 @@ class InflightRequest:
         self.status = ""  # "success" or "error" once finished
         self.queued = False  # admitted, no response yet (the queued_requests gauge)
         self.worker_type = ""  # the serving role of the model (worker_* gauges)
+        self.meters: RequestMeters | None = None  # the metric children, once labelled (begin)
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := http.header(k))}
         self.span = tracing.tracer().start_span(
             "http-request",
@@ -128,11 +131,12 @@ class InflightRequest:
             started_at=self.started,
         )
         self.fmt = fmt
-        m = self._metrics
-        m.active_requests.labels(self.model).inc()
-        m.inflight_requests.labels(self.model).inc()
-        m.requests_started.labels(self.model, self.endpoint, self.request_type).inc()
-        m.queued_requests.labels(self.model).inc()
+        meters = self.meters = self._metrics.meters.request(
+            self.model, self.endpoint, self.request_type, self._namespace
+        )
+        meters.active.n += 1  # active_requests and inflight_requests
+        meters.queued.n += 1
+        meters.started.n += 1
         self.queued = True
         return self.ctx
 
@@ -140,7 +144,8 @@ class InflightRequest:
         """The first response came back: the request is no longer queued. Idempotent."""
         if self.queued:
             self.queued = False
-            self._metrics.queued_requests.labels(self.model).dec()
+            assert self.meters is not None  # queued only from begin()
+            self.meters.queued.n -= 1
 
     def stop(self) -> None:
         """Ask the request to stop (shutdown, client gone): the engines abort."""
@@ -165,16 +170,17 @@ class InflightRequest:
 
     def _per_worker(self, stats: RunStats) -> None:
         """The ``worker_last_*`` gauges of the workers that served the request's choices."""
-        m = self._metrics
+        meters = self._metrics.meters
         for choice in stats.choices:
             sel = choice.selection
             if sel is None or choice.first_token_at is None:
                 continue
             key = (f"{sel.instance_id:x}", str(sel.dp_rank or 0), self.worker_type)
-            m.worker_last_ttft.labels(*key).set(choice.first_token_at - self.started)
-            m.worker_last_isl.labels(*key).set(stats.prompt_tokens)
+            ttft, isl, itl = meters.worker_gauges(key)
+            ttft.n = choice.first_token_at - self.started
+            isl.n = float(stats.prompt_tokens)
             if choice.itls:
-                m.worker_last_itl.labels(*key).set(sum(choice.itls) / len(choice.itls))
+                itl.n = sum(choice.itls) / len(choice.itls)
 
     def finish(self, status: str = "success", error_type: str = "") -> None:
         """Record the outcome and free what the request holds. Idempotent: the first call wins."""
@@ -188,28 +194,31 @@ class InflightRequest:
             load.free()
         m = self._metrics
         model = self.model
-        m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
+        meters = self.meters
+        if status == "success" and not error_type and meters is not None:
+            meters.succeeded.n += 1
+        else:
+            m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
         if status == "error":
             m.failures.labels(model, self.endpoint, self.request_type, error_type).inc()
         self.first_response()
         stats = self.stats
         if stats is not None:
-            m.active_requests.labels(model).dec()
-            m.inflight_requests.labels(model).dec()
-            m.request_duration.labels(model).observe(time.monotonic() - self.started)
-            m.input_tokens.labels(model, self._namespace).observe(stats.prompt_tokens)
-            m.output_tokens.labels(model).observe(stats.completion_tokens)
-            m.output_tokens_total.labels(model, self._namespace).inc(stats.completion_tokens)
+            assert meters is not None  # both set by begin()
+            meters.active.n -= 1
+            meters.duration.observe(time.monotonic() - self.started)
+            meters.input_tokens.observe(stats.prompt_tokens)
+            meters.output_tokens.observe(stats.completion_tokens)
+            meters.output_tokens_total.n += stats.completion_tokens
             first = stats.first_token_at
             if first is not None:
-                m.ttft.labels(model).observe(first - self.started)
-            itl = m.itl.labels(model)
+                meters.ttft.observe(first - self.started)
             for choice in stats.choices:
-                observe_many(itl, choice.itls)
+                observe_many(meters.itl, choice.itls)
             if stats.cached_tokens is not None:
-                m.cached_tokens.labels(model).observe(stats.cached_tokens)
+                meters.cached_tokens.observe(stats.cached_tokens)
                 if stats.prompt_tokens:
-                    m.kv_hit_rate.labels(model).observe(stats.cached_tokens / stats.prompt_tokens)
+                    meters.kv_hit_rate.observe(stats.cached_tokens / stats.prompt_tokens)
             self._per_worker(stats)
         span = self.span
         # The handler's task has the request span current: this line carries its trace id.

@@ -7,7 +7,6 @@ process in tests and in ``dynamo serve --in-process``).
 from __future__ import annotations
 
 import os
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from dynamo.observability.buckets import env_buckets, exponential_buckets
 from dynamo.observability.collector import ScrapeCollector
+from dynamo.observability.meters import Meters, StageTimer
 
 
 class _LabelMemo(MetricWrapperBase):
@@ -282,33 +282,13 @@ class FrontendMetrics:
             ["model"],
             registry=r,
         )
+        # The children a request records into, resolved once per label set (meters.py).
+        self.meters = Meters(self)
 
     def stage(self, stage: str, phase: str = "") -> StageTimer:
         """``with``: count a request in ``stage`` (``stage_requests``) and time it
         (``stage_duration``)."""
-        return StageTimer(
-            self.stage_requests.labels(stage, phase), self.stage_duration.labels(stage)
-        )
-
-
-class StageTimer:
-    """The context manager of :meth:`FrontendMetrics.stage` (a plain class: every request
-    goes through two stages, and ``@contextmanager`` costs a generator per use)."""
-
-    __slots__ = ("_gauge", "_duration", "_started")
-
-    def __init__(self, gauge: Any, duration: Any) -> None:
-        self._gauge = gauge
-        self._duration = duration
-        self._started = 0.0
-
-    def __enter__(self) -> None:
-        self._gauge.inc()
-        self._started = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self._gauge.dec()
-        self._duration.observe(time.perf_counter() - self._started)
+        return self.meters.stage(stage, phase).timer()
 
 
 WorkerLoads = Callable[[], Iterable[tuple[int, int, str, int, int]]]

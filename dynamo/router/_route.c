@@ -21,25 +21,51 @@
 #include <Python.h>
 #include <math.h>
 
+#include <limits.h>
+
 #include "../_slots.h"
+#include "../_u64.h"
 #include "_cost.h"
 
 /* The fields of a rank's load holder (``router.sequences._Rank``) it reads. */
 static const char *const rank_fields[] = {"prefill_tokens", "private_blocks", "num_requests",
                                           "blocks"};
 enum { F_PREFILL, F_PRIVATE, F_REQUESTS, F_BLOCKS };
+#define SMALL_TARGETS 128 /* up to this many targets, the columns live on the stack */
 static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields);
+
+/* An int as a long long: 0, or -1 with an exception (a non-negative exact int of at most
+ * three digits read from its digits, ``dynamo/_u64.h``; anything else through the API). */
+static inline int
+as_ll(PyObject *v, long long *out)
+{
+    uint64_t u;
+    if (dyn_u64_digits(v, &u) && u <= (uint64_t)LLONG_MAX) {
+        *out = (long long)u;
+        return 0;
+    }
+    *out = PyLong_AsLongLong(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
 
 /* ``obj.<field f>`` as a long long: 0, or -1 with an exception. */
 static int
 read_int(PyObject *obj, int f, long long *out)
 {
+    if (Py_TYPE(obj) == rank_slots.type) { /* the learned class: the slot's value, borrowed */
+        PyObject *v = *(PyObject **)((char *)obj + rank_slots.offsets[f]);
+        if (v == NULL) {
+            PyErr_Format(PyExc_AttributeError, "%U", rank_slots.names[f]);
+            return -1;
+        }
+        return as_ll(v, out);
+    }
     PyObject *v = dyn_slots_get(&rank_slots, obj, f);
     if (v == NULL)
         return -1;
-    *out = PyLong_AsLongLong(v);
+    int rc = as_ll(v, out);
     Py_DECREF(v);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    return rc;
 }
 
 /* One rank's load into the columns at ``i``: 0, or -1 with an exception. */
@@ -100,8 +126,8 @@ fill_overlap(PyObject *matches, PyObject *key_of, PyObject *place_of, Py_ssize_t
             PyErr_SetString(PyExc_IndexError, "a target's place is outside the ranks");
             return -1;
         }
-        long long v = PyLong_AsLongLong(blocks);
-        if (v == -1 && PyErr_Occurred())
+        long long v;
+        if (as_ll(blocks, &v) < 0)
             return -1;
         overlap[i] = (double)v;
     }
@@ -151,7 +177,8 @@ choose(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(seq);
         return NULL;
     }
-    double *buf = PyMem_Calloc(6 * (size_t)n, sizeof(double));
+    double small[6 * SMALL_TARGETS];
+    double *buf = n <= SMALL_TARGETS ? small : PyMem_Malloc(6 * (size_t)n * sizeof(double));
     if (buf == NULL) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
@@ -160,13 +187,15 @@ choose(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
            *requests = buf + 4 * n, *cost = buf + 5 * n;
     PyObject *costs = NULL, *out = NULL;
     DynTie tie = {NULL, NULL};
+    memset(overlap, 0, (size_t)n * sizeof(double)); /* a target without a match: 0 */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *rank = PySequence_Fast_GET_ITEM(seq, i);
         if (read_rank(rank, i, track_blocks, prefill, decode, requests) < 0)
             goto done;
+        new_[i] = 0.0;
         if (track_blocks) {
-            long long v = PyLong_AsLongLong(PyList_GET_ITEM(new_col, i));
-            if (v == -1 && PyErr_Occurred())
+            long long v;
+            if (as_ll(PyList_GET_ITEM(new_col, i), &v) < 0)
                 goto done;
             new_[i] = (double)v;
         }
@@ -203,7 +232,8 @@ done:
     Py_DECREF(seq);
     Py_XDECREF(costs);
     dyn_tie_clear(&tie);
-    PyMem_Free(buf);
+    if (buf != small)
+        PyMem_Free(buf);
     return out;
 }
 

@@ -79,6 +79,9 @@ class RoutingCore:
         self.settings = settings
         self.rng = rng or random.Random()
         self.selector = settings.selector_config()
+        # the route kernel's call (_choose) serves every request: temperature 0, none busy
+        self._one_call = self.selector.temperature == 0 and not self.selector.has_busy_thresholds
+        self._cost_params = self.selector.cost_params
         self.indexer: KVIndexer | None = KVIndexer() if settings.use_kv_events else None
         self.approx: ApproxIndex | None = (
             None if settings.use_kv_events else ApproxIndex(settings.ttl_secs, clock=clock)
@@ -156,18 +159,20 @@ class RoutingCore:
         matches and ``Overloaded`` when every match is busy. A duplicate ``request_id``
         routes but counts its load once.
         """
-        targets = self._eligible(allowed, pinned_worker, dp_rank)
+        if allowed is None and pinned_worker is None and dp_rank is None and self._targets:
+            targets = self._targets
+        else:
+            targets = self._eligible(allowed, pinned_worker, dp_rank)
         if seq_hashes is None:
             seqs = sequence_hashes(local_hashes)
         else:  # read only here (what is kept is copied): a list is used as it is
             seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
+        if self._one_call and targets is self._targets:  # the common request: one native call
+            chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps)
+            if record:
+                self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
+            return chosen
         selector = self.selector
-        if targets is self._targets and not selector.has_busy_thresholds:
-            if selector.temperature == 0:  # the common request: one native call
-                chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps)
-                if record:
-                    self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
-                return chosen
         if overlaps is None:
             overlaps = self.find_matches(local_hashes)
         if selector.has_busy_thresholds:  # filtering needs each candidate's whole load
@@ -305,7 +310,7 @@ class RoutingCore:
             new,
             isl_tokens,
             bs,
-            self.selector.cost_params,
+            self._cost_params,
             self.rng,
             self.settings.track_active_blocks,
         )

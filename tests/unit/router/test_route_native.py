@@ -48,13 +48,13 @@ class PlainRank:  # read through getattr
 def inputs(rng: random.Random, n: int, by_slot: bool) -> tuple[Any, ...]:
     """A random call: n targets (ties likely), matches for some of them and for non-targets."""
     kind = SlottedRank if rng.random() < 0.7 else PlainRank
-    small = [0, 0, 1, 2]
+    small = [0, 0, 1, 2, rng.choice([-3, 2**40, True])]  # (odd ints: the API's conversion)
     ranks = [
         kind(
             rng.choice(small + [rng.randrange(3000)]),
             rng.choice(small),
             rng.choice(small + [rng.randrange(40)]),
-            [0] * rng.choice(small + [rng.randrange(300)]),
+            [0] * rng.choice([0, 1, 2, rng.randrange(300)]),
         )
         for _ in range(n)
     ]
