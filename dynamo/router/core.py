@@ -28,7 +28,7 @@ from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
-from dynamo.router.sequences import ActiveSequences
+from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.errors import NoInstances
 
 _kernel = native.load("dynamo.router._route", "dynamo.router._route_fallback")
@@ -214,18 +214,18 @@ class RoutingCore:
         """Count a routed request's load on its rank (and, approximate mode, its prefix).
         False if the id is already active (its load stays counted once) or the rank left.
         ``prefix_keys``: :meth:`prefix_keys` of ``seq_hashes`` if the caller has it."""
-        seqs = self.sequences
-        if not seqs.has_rank(chosen.worker_id, chosen.dp_rank) or seqs.worker_of(request_id):
+        try:  # add_request checks both before it changes anything (one lookup each)
+            self.sequences.add_request(
+                request_id,
+                chosen.worker_id,
+                chosen.dp_rank,
+                seq_hashes,
+                new_isl_tokens=isl_tokens,
+                overlap_blocks=chosen.overlap_blocks,
+                prefix_keys=prefix_keys,
+            )
+        except (DuplicateRequest, UnknownWorkerRank):
             return False
-        seqs.add_request(
-            request_id,
-            chosen.worker_id,
-            chosen.dp_rank,
-            seq_hashes,
-            new_isl_tokens=isl_tokens,
-            overlap_blocks=chosen.overlap_blocks,
-            prefix_keys=prefix_keys,
-        )
         if self.approx is not None and local_hashes:
             self.approx.record(chosen.worker_id, chosen.dp_rank, local_hashes, seq_hashes)
         return True
