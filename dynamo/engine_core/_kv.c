@@ -22,7 +22,8 @@
  * blocks change: no object per event or block.
  *
  * ``_C_API`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
- * ``num_slots_needed``, ``use``) on keys converted once, for ``_pass.c``.
+ * ``num_slots_needed``, ``use``) on keys converted once, and ``promote_run`` / ``release`` on
+ * item arrays, for ``_pass.c``.
  *
  * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native``
  * picks one) and tests/unit/engine_core/test_kv_native.py holds the two to the same events and
@@ -391,9 +392,11 @@ typedef struct {
     int open;
 } Run;
 
-/* Add the block (hash, local) to the run, opening it under ``parent`` if it is not open. */
+/* Add the block (hash, local), whose keys are hk/hneg and lk/lneg, to the run, opening it
+ * under ``parent`` if it is not open. */
 static int
-run_add(KV *kv, Run *r, PyObject *parent, PyObject *hash, PyObject *local)
+run_add(KV *kv, Run *r, PyObject *parent, PyObject *hash, PyObject *local, uint64_t hk,
+        uint8_t hneg, uint64_t lk, uint8_t lneg)
 {
     if (!kv->raw) {
         if (!r->open) {
@@ -407,9 +410,9 @@ run_add(KV *kv, Run *r, PyObject *parent, PyObject *hash, PyObject *local)
         Py_XDECREF(blk);
         return rc;
     }
-    uint64_t k;
-    uint8_t ng;
     if (!r->open) {
+        uint64_t k;
+        uint8_t ng;
         r->n = 0;
         r->parent = parent;
         if ((r->head = raw_begin(kv)) < 0 ||
@@ -417,9 +420,12 @@ run_add(KV *kv, Run *r, PyObject *parent, PyObject *hash, PyObject *local)
             return -1;
         r->open = 1;
     }
-    if (need_key(hash, &k, &ng) < 0 || raw_word(kv, k, ng) < 0 || need_key(local, &k, &ng) < 0 ||
-        raw_word(kv, k, ng) < 0)
+    if (raw_reserve(kv, 2) < 0)
         return -1;
+    kv->rw[kv->rlen] = hk;
+    kv->rneg[kv->rlen++] = hneg;
+    kv->rw[kv->rlen] = lk;
+    kv->rneg[kv->rlen++] = lneg;
     r->n++;
     return 0;
 }
@@ -667,18 +673,13 @@ KV_num_slots_needed(KV *kv, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- mutations ------------------------------------------------------------------------ */
 
-static int32_t
-store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, PyObject *local, int silent)
+static void
+store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, uint64_t lk, uint8_t lneg, int silent)
 {
-    uint64_t lk;
-    uint8_t lneg;
-    if (need_key(local, &lk, &lneg) < 0)
-        return -1;
     Entry *e = &kv->e[s];
     *e = (Entry){h, lk, -1, -1, 1, neg, lneg, (uint8_t)silent, FULL};
     map_put(kv, h, s);
     kv->n_full_active++;
-    return 0;
 }
 
 static int use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems,
@@ -784,17 +785,19 @@ use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64
         if (s >= 0) { /* a hash repeated in the chain: already stored above */
             kv->e[s].refcount++;
         }
-        else {
+        uint64_t lk = 0;
+        uint8_t lneg = 0;
+        if ((s < 0 || (announce && kv->raw)) && need_key(litems[i], &lk, &lneg) < 0)
+            goto done; /* checked above: cannot fail */
+        if (s < 0) {
             s = kv->free_slots[--kv->nfree];
-            if (store_full(kv, s, keys[i], negs[i], litems[i], !announce) < 0) {
-                kv->nfree++;
-                goto done;
-            }
+            store_full(kv, s, keys[i], negs[i], lk, lneg, !announce);
         }
         if (!announce)
             continue;
         /* a run's parent: the block before its first */
-        if (run_add(kv, &run, i > 0 ? items[i - 1] : Py_None, items[i], litems[i]) < 0 ||
+        if (run_add(kv, &run, i > 0 ? items[i - 1] : Py_None, items[i], litems[i], keys[i],
+                    negs[i], lk, lneg) < 0 ||
             ((k + 1 == nabsent || absent[k + 1] != i + 1) && run_close(kv, &run) < 0))
             goto done;
     }
@@ -850,47 +853,47 @@ unique_slot(KV *kv, PyObject *obj)
     return (int32_t)v;
 }
 
-static PyObject *
-KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+/* promote_run on item arrays (the method's lists, or a C caller's, _kv_api.h): each key
+ * converted once. 0, or -1 with the method's error (nothing changes on a bad id or hash). */
+static int
+promote_items(PyObject *self, PyObject *const *uids, PyObject *const *hs, PyObject *const *ls,
+              Py_ssize_t n, PyObject *parent)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError,
-                        "promote_run(unique_ids, block_hashes, local_hashes, parent)");
-        return NULL;
-    }
-    PyObject *useq = NULL, *hseq = NULL, *lseq = NULL, *res = NULL;
+    KV *kv = (KV *)self;
+    enum { ON_STACK = 32 };
+    uint64_t hk_s[ON_STACK], lk_s[ON_STACK];
+    int32_t us_s[ON_STACK];
+    uint8_t hn_s[ON_STACK], ln_s[ON_STACK];
+    uint64_t *hk = hk_s, *lk = lk_s;
+    int32_t *us = us_s;
+    uint8_t *hn = hn_s, *ln = ln_s;
+    void *heap = NULL;
+    int rc = -1;
     Run run = {0};
-    useq = PySequence_Fast(args[0], "unique_ids must be a sequence");
-    hseq = useq ? PySequence_Fast(args[1], "block_hashes must be a sequence") : NULL;
-    lseq = hseq ? PySequence_Fast(args[2], "local_hashes must be a sequence") : NULL;
-    if (lseq == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(useq);
-    if (PySequence_Fast_GET_SIZE(hseq) != n || PySequence_Fast_GET_SIZE(lseq) != n) {
-        PyErr_SetString(PyExc_ValueError, "promote_run: the three lists differ in length");
-        goto done;
+    if (n > ON_STACK) {
+        size_t m = (size_t)n;
+        heap = PyMem_Malloc(m * (2 * sizeof(uint64_t) + sizeof(int32_t) + 2));
+        if (heap == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        hk = heap, lk = hk + m, us = (int32_t *)(lk + m), hn = (uint8_t *)(us + m), ln = hn + m;
     }
-    PyObject *const *uids = PySequence_Fast_ITEMS(useq);
-    PyObject *const *hs = PySequence_Fast_ITEMS(hseq);
-    PyObject *const *ls = PySequence_Fast_ITEMS(lseq);
     for (Py_ssize_t i = 0; i < n; i++) { /* check first: nothing changes on a bad id */
-        uint64_t k;
-        uint8_t ng;
-        if (unique_slot(kv, uids[i]) < 0 || need_key(hs[i], &k, &ng) < 0 ||
-            need_key(ls[i], &k, &ng) < 0)
+        if ((us[i] = unique_slot(kv, uids[i])) < 0 || need_key(hs[i], &hk[i], &hn[i]) < 0 ||
+            need_key(ls[i], &lk[i], &ln[i]) < 0)
             goto done;
     }
-    PyObject *run_parent = args[3];
+    PyObject *run_parent = parent;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t u = unique_slot(kv, uids[i]);
-        if (u < 0)
-            goto done; /* the same id twice */
-        uint64_t h;
-        uint8_t neg;
-        need_key(hs[i], &h, &neg);
+        int32_t u = us[i];
+        if (kv->e[u].kind != UNIQUE) { /* the same id twice */
+            PyErr_SetString(PyExc_KeyError, "a private block that is not allocated");
+            goto done;
+        }
         kv->e[u].kind = FREE;
         kv->n_unique--;
-        int32_t s = map_get(kv, h);
+        int32_t s = map_get(kv, hk[i]);
         if (s >= 0) { /* already cached: the private copy collapses onto it */
             Entry *e = &kv->e[s];
             if (e->refcount == 0) {
@@ -904,16 +907,40 @@ KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
             run_parent = hs[i];
             continue;
         }
-        if (store_full(kv, u, h, neg, ls[i], 0) < 0 ||
-            run_add(kv, &run, run_parent, hs[i], ls[i]) < 0)
+        store_full(kv, u, hk[i], hn[i], lk[i], ln[i], 0);
+        if (run_add(kv, &run, run_parent, hs[i], ls[i], hk[i], hn[i], lk[i], ln[i]) < 0)
             goto done;
     }
-    if (run_close(kv, &run) < 0)
-        goto done;
-    res = Py_None;
-    Py_INCREF(res);
+    rc = run_close(kv, &run);
 done:
     Py_XDECREF(run.list);
+    PyMem_Free(heap);
+    return rc;
+}
+
+static PyObject *
+KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "promote_run(unique_ids, block_hashes, local_hashes, parent)");
+        return NULL;
+    }
+    PyObject *useq = NULL, *hseq = NULL, *lseq = NULL, *res = NULL;
+    useq = PySequence_Fast(args[0], "unique_ids must be a sequence");
+    hseq = useq ? PySequence_Fast(args[1], "block_hashes must be a sequence") : NULL;
+    lseq = hseq ? PySequence_Fast(args[2], "local_hashes must be a sequence") : NULL;
+    if (lseq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(useq);
+    if (PySequence_Fast_GET_SIZE(hseq) != n || PySequence_Fast_GET_SIZE(lseq) != n) {
+        PyErr_SetString(PyExc_ValueError, "promote_run: the three lists differ in length");
+        goto done;
+    }
+    if (promote_items((PyObject *)kv, PySequence_Fast_ITEMS(useq), PySequence_Fast_ITEMS(hseq),
+                      PySequence_Fast_ITEMS(lseq), n, args[3]) == 0)
+        res = Py_NewRef(Py_None);
+done:
     Py_XDECREF(useq);
     Py_XDECREF(hseq);
     Py_XDECREF(lseq);
@@ -945,6 +972,42 @@ KV_promote(KV *kv, PyObject *const *args, Py_ssize_t nargs)
     return res;
 }
 
+/* release on item arrays (the method's lists, or a C caller's, _kv_api.h): 0, or -1 with the
+ * method's error. */
+static int
+release_items(PyObject *self, PyObject *const *hs, Py_ssize_t nh, PyObject *const *uids,
+              Py_ssize_t nu)
+{
+    KV *kv = (KV *)self;
+    for (Py_ssize_t i = 0; i < nu; i++) {
+        if (unique_slot(kv, uids[i]) < 0) {
+            PyErr_SetString(PyExc_KeyError, "releasing a private block that is not allocated");
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nu; i++) {
+        int32_t u = (int32_t)PyLong_AsLong(uids[i]);
+        if (kv->e[u].kind == UNIQUE) {
+            kv->e[u].kind = FREE;
+            kv->n_unique--;
+            kv->free_slots[kv->nfree++] = u;
+        }
+    }
+    /* tail first: within a chain the leaves become the least recently used */
+    for (Py_ssize_t i = nh - 1; i >= 0; i--) {
+        int32_t s = find(kv, hs[i]);
+        if (s < 0 || kv->e[s].refcount == 0) {
+            PyErr_SetObject(PyExc_KeyError, hs[i]);
+            return -1;
+        }
+        if (--kv->e[s].refcount == 0) {
+            kv->n_full_active--;
+            lru_append(kv, s);
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 KV_release(KV *kv, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -960,42 +1023,12 @@ KV_release(KV *kv, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(useq);
         return NULL;
     }
-    PyObject *res = NULL;
-    Py_ssize_t nu = PySequence_Fast_GET_SIZE(useq);
-    PyObject *const *uids = PySequence_Fast_ITEMS(useq);
-    for (Py_ssize_t i = 0; i < nu; i++) {
-        if (unique_slot(kv, uids[i]) < 0) {
-            PyErr_SetString(PyExc_KeyError, "releasing a private block that is not allocated");
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < nu; i++) {
-        int32_t u = (int32_t)PyLong_AsLong(uids[i]);
-        if (kv->e[u].kind == UNIQUE) {
-            kv->e[u].kind = FREE;
-            kv->n_unique--;
-            kv->free_slots[kv->nfree++] = u;
-        }
-    }
-    /* tail first: within a chain the leaves become the least recently used */
-    PyObject *const *hs = PySequence_Fast_ITEMS(hseq);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(hseq) - 1; i >= 0; i--) {
-        int32_t s = find(kv, hs[i]);
-        if (s < 0 || kv->e[s].refcount == 0) {
-            PyErr_SetObject(PyExc_KeyError, hs[i]);
-            goto done;
-        }
-        if (--kv->e[s].refcount == 0) {
-            kv->n_full_active--;
-            lru_append(kv, s);
-        }
-    }
-    res = Py_None;
-    Py_INCREF(res);
-done:
+    int rc = release_items((PyObject *)kv, PySequence_Fast_ITEMS(hseq),
+                           PySequence_Fast_GET_SIZE(hseq), PySequence_Fast_ITEMS(useq),
+                           PySequence_Fast_GET_SIZE(useq));
     Py_DECREF(useq);
     Py_DECREF(hseq);
-    return res;
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *
@@ -1277,7 +1310,8 @@ api_slots_missing(PyObject *self, const uint64_t *keys, const uint8_t *ok, Py_ss
 }
 
 static DynKVApi kv_api = {
-    &KVType, api_keys_of, api_cached_prefix, api_slots_missing, use_keys,
+    &KVType, api_keys_of, api_cached_prefix, api_slots_missing, use_keys, promote_items,
+    release_items,
 };
 
 static struct PyModuleDef module = {

@@ -1,8 +1,10 @@
 /*
- * dynamo/engine_core/_kv_api.h: the native KV manager's admission calls for C callers, as a
- * capsule ``dynamo.engine_core._kv._C_API`` (a DynKVApi), so that ``_pass.c`` converts an
- * admitted prompt's chain of block hashes once instead of once per method call
- * (``num_cached_prefix``, ``num_slots_needed``, ``use``: each converted the same 64-bit ints).
+ * dynamo/engine_core/_kv_api.h: the native KV manager's calls for C callers, as a capsule
+ * ``dynamo.engine_core._kv._C_API`` (a DynKVApi), so that ``_pass.c`` converts an admitted
+ * prompt's chain of block hashes once instead of once per method call (``num_cached_prefix``,
+ * ``num_slots_needed``, ``use``: each converted the same 64-bit ints), and promotes filled
+ * blocks and releases a sequence's blocks from its lists' items (``promote_run``, ``release``:
+ * no slices, no method call).
  *
  * Each function takes an instance of ``type`` (the native ``KVManager``) and does exactly what
  * its method does with the chain whose keys ``keys_of`` gave (``ok[i]`` 0: ``items[i]`` is not
@@ -31,6 +33,12 @@ typedef struct {
     /* use(items[:n], litems[:n], announce=announce): 0, or -1 with its error */
     int (*use)(PyObject *kv, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
                uint8_t *negs, const uint8_t *ok, Py_ssize_t n, int announce);
+    /* promote_run(uids[:n], hashes[:n], locals[:n], parent): 0, or -1 with its error */
+    int (*promote_run)(PyObject *kv, PyObject *const *uids, PyObject *const *hashes,
+                       PyObject *const *locals, Py_ssize_t n, PyObject *parent);
+    /* release(hashes[:nh], uids[:nu]): 0, or -1 with its error */
+    int (*release)(PyObject *kv, PyObject *const *hashes, Py_ssize_t nh, PyObject *const *uids,
+                   Py_ssize_t nu);
 } DynKVApi;
 
 #endif

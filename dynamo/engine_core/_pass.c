@@ -16,8 +16,9 @@
  * and written in place: the offsets of the class's member descriptors are learned once, so a
  * field access is a load, not an attribute lookup (any other object goes through getattr /
  * setattr, with the same results). The KV manager is called through its public methods, so
- * either of its implementations works; an admission with the native one converts the prompt's
- * chain of hashes once and makes its three calls in C (``_kv_api.h``).
+ * either of its implementations works; with the native one an admission converts the prompt's
+ * chain of hashes once and makes its three calls in C, and filled blocks are promoted and a
+ * sequence's blocks released from its lists' items in C (``_kv_api.h``).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -368,22 +369,36 @@ fail:
 
 /* -- blocks --------------------------------------------------------------------------------- */
 
+/* Whether ``kv`` is the native KV manager, whose calls C makes directly (_kv_api.h). */
+static inline int
+kv_native(PyObject *kv)
+{
+    return kv_api != NULL && Py_TYPE(kv) == kv_api->type;
+}
+
 /* kv.release(full_blocks, unique_blocks); both fields become new empty lists. */
 static int
 release(PyObject *kv, PyObject *seq)
 {
     PyObject *full = get(seq, F_FULL_BLOCKS);
     PyObject *unique = full ? get(seq, F_UNIQUE_BLOCKS) : NULL;
-    PyObject *r = NULL;
-    if (unique != NULL) {
+    int rc = -1;
+    if (unique == NULL) {
+    } else if (kv_native(kv) && PyList_CheckExact(full) && PyList_CheckExact(unique)) {
+        /* the lists' items as they are: the method's work without its call */
+        rc = kv_api->release(kv, PySequence_Fast_ITEMS(full), PyList_GET_SIZE(full),
+                             PySequence_Fast_ITEMS(unique), PyList_GET_SIZE(unique));
+    } else {
         PyObject *argv[3] = {kv, full, unique};
-        r = PyObject_VectorcallMethod(s_release, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *r =
+            PyObject_VectorcallMethod(s_release, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
     }
     Py_XDECREF(full);
     Py_XDECREF(unique);
-    if (r == NULL)
+    if (rc < 0)
         return -1;
-    Py_DECREF(r);
     if (put_new(seq, F_FULL_BLOCKS, PyList_New(0)) < 0 ||
         put_new(seq, F_UNIQUE_BLOCKS, PyList_New(0)) < 0)
         return -1;
@@ -460,6 +475,9 @@ grow(PyObject *kv, PyObject *seq, Py_ssize_t bs)
     return rc < 0 ? -1 : 1;
 }
 
+static int promote_direct(PyObject *kv, PyObject *seq, PyObject *chain, PyObject *locals,
+                          PyObject *unique, Py_ssize_t k, Py_ssize_t n);
+
 /* Private tail blocks whose KV is complete become shareable full blocks (kv.promote_run). */
 static int
 promote_filled(PyObject *kv, PyObject *seq, Py_ssize_t bs, Py_ssize_t computed, Py_ssize_t k,
@@ -476,6 +494,12 @@ promote_filled(PyObject *kv, PyObject *seq, Py_ssize_t bs, Py_ssize_t computed, 
     if (chain == NULL || (locals = get(seq, F_LOCAL_HASHES)) == NULL ||
         (unique = get(seq, F_UNIQUE_BLOCKS)) == NULL)
         goto done;
+    if (kv_native(kv) && PyList_CheckExact(chain) && PyList_CheckExact(locals) &&
+        PyList_CheckExact(unique) && PyList_GET_SIZE(chain) >= k + n &&
+        PyList_GET_SIZE(locals) >= k + n && PyList_GET_SIZE(unique) >= n) {
+        rc = promote_direct(kv, seq, chain, locals, unique, k, n);
+        goto done;
+    }
     if ((hashes = PySequence_GetSlice(chain, k, k + n)) == NULL ||
         (local = PySequence_GetSlice(locals, k, k + n)) == NULL ||
         (ids = PySequence_GetSlice(unique, 0, n)) == NULL)
@@ -498,6 +522,34 @@ done:
     Py_XDECREF(local);
     Py_XDECREF(parent);
     Py_XDECREF(r);
+    return rc;
+}
+
+/* promote_filled with the native KV manager and lists long enough (checked): its call on the
+ * lists' items (no slice of each, no method call), then the same changes to the lists. */
+static int
+promote_direct(PyObject *kv, PyObject *seq, PyObject *chain, PyObject *locals, PyObject *unique,
+               Py_ssize_t k, Py_ssize_t n)
+{
+    PyObject *parent = k ? PyList_GET_ITEM(chain, k - 1) : Py_None;
+    if (kv_api->promote_run(kv, PySequence_Fast_ITEMS(unique), PySequence_Fast_ITEMS(chain) + k,
+                            PySequence_Fast_ITEMS(locals) + k, n, parent) < 0 ||
+        PyList_SetSlice(unique, 0, n, NULL) < 0)
+        return -1;
+    PyObject *full = get(seq, F_FULL_BLOCKS);
+    if (full == NULL)
+        return -1;
+    int rc = 0;
+    if (PyList_CheckExact(full)) {
+        /* by index: ``full`` may be the chain itself, which the appends grow */
+        for (Py_ssize_t i = 0; i < n && rc == 0; i++)
+            rc = PyList_Append(full, PyList_GET_ITEM(chain, k + i));
+    } else {
+        PyObject *hashes = PyList_GetSlice(chain, k, k + n);
+        rc = hashes == NULL ? -1 : extend_field(seq, F_FULL_BLOCKS, hashes);
+        Py_XDECREF(hashes);
+    }
+    Py_DECREF(full);
     return rc;
 }
 
@@ -686,7 +738,7 @@ allocate(Pass *ps, PyObject *seq)
     PyObject *locals = NULL, *full = NULL, *local = NULL, *r = NULL, *unique = NULL;
     /* The native KV manager and a list: the chain's keys converted once for its three calls
      * (_kv_api.h), not once a method call. */
-    int direct = kv_api != NULL && Py_TYPE(ps->kv) == kv_api->type && PyList_CheckExact(chain);
+    int direct = kv_native(ps->kv) && PyList_CheckExact(chain);
     Py_ssize_t nchain = direct ? PyList_GET_SIZE(chain) : 0;
     uint64_t *keys = NULL;
     uint8_t *negs = NULL, *ok = NULL;

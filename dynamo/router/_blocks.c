@@ -468,6 +468,137 @@ fail:
     return NULL;
 }
 
+/* The prefix keys held in a bytes object made by prefix_key_bytes (native-endian uint64 each):
+ * their address and count, or -1 (TypeError / ValueError) for anything else. */
+static int
+key_buffer(PyObject *keys, const char *what, const char **data, Py_ssize_t *n)
+{
+    if (!PyBytes_Check(keys)) {
+        PyErr_Format(PyExc_TypeError, "%s takes the bytes of prefix_key_bytes(), not %.100s",
+                     what, Py_TYPE(keys)->tp_name);
+        return -1;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(keys);
+    if (size % (Py_ssize_t)sizeof(uint64_t) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes are not whole 64-bit keys", what, size);
+        return -1;
+    }
+    *data = PyBytes_AS_STRING(keys);
+    *n = size / (Py_ssize_t)sizeof(uint64_t);
+    return 0;
+}
+
+static inline uint64_t
+key_at(const char *data, Py_ssize_t k)
+{
+    uint64_t key;
+    memcpy(&key, data + (size_t)k * sizeof(uint64_t), sizeof key);
+    return key;
+}
+
+/* Apply fn to each key of a prefix_key_bytes buffer. */
+static int
+for_each_buffered(BlockCounts *t, PyObject *keys, const char *what, KeyFn fn)
+{
+    const char *data;
+    Py_ssize_t n;
+    if (key_buffer(keys, what, &data, &n) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (fn(t, key_at(data, k)) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+BlockCounts_add_prefix_keys(BlockCounts *self, PyObject *keys)
+{
+    if (for_each_buffered(self, keys, "add_prefix_keys()", add_one) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+BlockCounts_remove_prefix_keys(BlockCounts *self, PyObject *keys)
+{
+    int rc = for_each_buffered(self, keys, "remove_prefix_keys()", remove_one);
+    if (shrink_if_sparse(self) < 0 || rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* prefix_key_bytes(hashes): the prefix key of each position, packed (native-endian uint64):
+ * what a request's load accounting keeps, computed once (the route's walk, the record, the
+ * free read it instead of chaining the hashes again). */
+static PyObject *
+prefix_key_bytes(PyObject *module, PyObject *hashes)
+{
+    PyObject *seq = PySequence_Fast(hashes, "prefix_key_bytes() takes an iterable of int");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *data = PyBytes_AS_STRING(out);
+    uint64_t key, parent = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (as_key(PySequence_Fast_GET_ITEM(seq, k), &key) < 0) {
+            Py_DECREF(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        parent = chain(parent, key);
+        memcpy(data + (size_t)k * sizeof(uint64_t), &parent, sizeof parent);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* Per table (each checked to be a BlockCounts), n minus the depth of the longest leading run of
+ * keys (packed at data) held there: see new_blocks. */
+static PyObject *
+walk_tables(PyObject *tables, const char *data, Py_ssize_t n)
+{
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(tables);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tables, j);
+        if (!PyObject_TypeCheck(t, &BlockCountsType)) {
+            PyErr_Format(PyExc_TypeError, "new_blocks() takes BlockCounts, not %.100s",
+                         Py_TYPE(t)->tp_name);
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(m);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const BlockCounts *t = (const BlockCounts *)PySequence_Fast_GET_ITEM(tables, j);
+        Py_ssize_t depth = 0;
+        if (t->used != 0) {
+            while (depth < n && t->slots[find(t, key_at(data, depth))].count != 0) {
+                depth++;
+            }
+        }
+        PyObject *value = PyLong_FromSsize_t(n - depth);
+        if (value == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, value);
+    }
+    return out;
+}
+
 /* new_blocks(tables, hashes): for each table, the blocks of a request (its block hashes, in
  * order) outside the trie the table holds: len(hashes) - the depth of the longest prefix of the
  * request that is a node there. The tables hold whole trie paths (add_prefixes of requests),
@@ -491,7 +622,6 @@ new_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(tables);
     uint64_t stack_keys[128];
     uint64_t *keys = n <= 128 ? stack_keys : PyMem_Malloc((size_t)n * sizeof(uint64_t));
     PyObject *out = NULL;
@@ -506,38 +636,34 @@ new_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         keys[k] = parent = chain(parent, key);
     }
-    for (Py_ssize_t j = 0; j < m; j++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(tables, j);
-        if (!PyObject_TypeCheck(t, &BlockCountsType)) {
-            PyErr_Format(PyExc_TypeError, "new_blocks() takes BlockCounts, not %.100s",
-                         Py_TYPE(t)->tp_name);
-            goto done;
-        }
-    }
-    out = PyList_New(m);
-    if (out == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t j = 0; j < m; j++) {
-        const BlockCounts *t = (const BlockCounts *)PySequence_Fast_GET_ITEM(tables, j);
-        Py_ssize_t depth = 0;
-        if (t->used != 0) {
-            while (depth < n && t->slots[find(t, keys[depth])].count != 0) {
-                depth++;
-            }
-        }
-        PyObject *value = PyLong_FromSsize_t(n - depth);
-        if (value == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SET_ITEM(out, j, value);
-    }
+    out = walk_tables(tables, (const char *)keys, n);
 done:
     if (keys != stack_keys) {
         PyMem_Free(keys);
     }
     Py_DECREF(hashes);
+    Py_DECREF(tables);
+    return out;
+}
+
+/* new_blocks_of_keys(tables, keys): new_blocks of the request whose prefix_key_bytes are keys. */
+static PyObject *
+new_blocks_of_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "new_blocks_of_keys(tables, keys)");
+        return NULL;
+    }
+    const char *data;
+    Py_ssize_t n;
+    if (key_buffer(args[1], "new_blocks_of_keys()", &data, &n) < 0) {
+        return NULL;
+    }
+    PyObject *tables = PySequence_Fast(args[0], "new_blocks() takes a sequence of BlockCounts");
+    if (tables == NULL) {
+        return NULL;
+    }
+    PyObject *out = walk_tables(tables, data, n);
     Py_DECREF(tables);
     return out;
 }
@@ -851,6 +977,11 @@ static PyMethodDef BlockCounts_methods[] = {
     {"remove_prefixes", (PyCFunction)BlockCounts_remove_prefixes, METH_O,
      "remove_prefixes(hashes): remove the prefix key of each position of hashes; KeyError on "
      "one that is not held (those before it stay removed)."},
+    {"add_prefix_keys", (PyCFunction)BlockCounts_add_prefix_keys, METH_O,
+     "add_prefix_keys(keys): add_prefixes of the hashes whose prefix_key_bytes are keys."},
+    {"remove_prefix_keys", (PyCFunction)BlockCounts_remove_prefix_keys, METH_O,
+     "remove_prefix_keys(keys): remove_prefixes of the hashes whose prefix_key_bytes are "
+     "keys; KeyError on one that is not held (those before it stay removed)."},
     {"count", (PyCFunction)BlockCounts_count, METH_O, "count(hash): its count, 0 if absent."},
     {"count_absent", (PyCFunction)BlockCounts_count_absent, METH_O,
      "count_absent(query): how many distinct hashes of query (a BlockCounts) are absent here."},
@@ -889,6 +1020,12 @@ static PyMethodDef module_methods[] = {
     {"new_blocks", (PyCFunction)(void (*)(void))new_blocks, METH_FASTCALL,
      "new_blocks(tables, hashes): per table (holding whole trie paths), the blocks of hashes "
      "past the longest prefix of them that is a node there."},
+    {"prefix_key_bytes", (PyCFunction)prefix_key_bytes, METH_O,
+     "prefix_key_bytes(hashes): the prefix key of each position of hashes, packed as "
+     "native-endian unsigned 64-bit integers in one bytes object."},
+    {"new_blocks_of_keys", (PyCFunction)(void (*)(void))new_blocks_of_keys, METH_FASTCALL,
+     "new_blocks_of_keys(tables, keys): new_blocks of the hashes whose prefix_key_bytes are "
+     "keys."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,6 +36,14 @@ class BlockCounts:
         """One more holder of the prefix key of each position of ``hashes`` (a trie path)."""
     def remove_prefixes(self, hashes: Iterable[int]) -> None:
         """One holder less of each prefix key of ``hashes``; KeyError on one that is not held."""
+    def add_prefix_keys(self, keys: bytes) -> None:
+        """``add_prefixes`` of the hashes whose ``prefix_key_bytes`` are ``keys`` (no chaining).
+
+        TypeError for what is not ``bytes``, ValueError for a length that is not whole keys.
+        """
+    def remove_prefix_keys(self, keys: bytes) -> None:
+        """``remove_prefixes`` of the hashes whose ``prefix_key_bytes`` are ``keys``; KeyError
+        on one that is not held (those before it stay removed); errors as ``add_prefix_keys``."""
     def count(self, hash: int) -> int:
         """The hash's count, 0 if absent."""
     def count_absent(self, query: BlockCounts) -> int:
@@ -50,6 +58,17 @@ def prefix_keys(hashes: Iterable[int]) -> list[int]:
     A key names the whole prefix ``hashes[:i+1]`` (a trie node); the chain is seeded per
     process, so keys are only comparable within one process and one implementation.
     """
+
+def prefix_key_bytes(hashes: Iterable[int]) -> bytes:
+    """``prefix_keys`` packed as native-endian unsigned 64-bit integers in one ``bytes``: what a
+    request's load accounting keeps, so that the route's walk (``new_blocks_of_keys``), the
+    record (``add_prefix_keys``) and the free (``remove_prefix_keys``) chain its hashes once.
+    Only meaningful to the implementation (and process) that made it.
+    """
+
+def new_blocks_of_keys(tables: Sequence[BlockCounts], keys: bytes) -> list[int]:
+    """``new_blocks`` of the hashes whose ``prefix_key_bytes`` are ``keys``; errors as
+    ``BlockCounts.add_prefix_keys``."""
 
 def new_blocks(tables: Sequence[BlockCounts], hashes: Iterable[int]) -> list[int]:
     """Per table, the blocks of a request (``hashes``, in order) outside the trie it holds:

@@ -10,6 +10,7 @@ use the native module's chain function with their own per-process seed.
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Final
 
@@ -58,10 +59,36 @@ def prefix_keys(hashes: Iterable[int]) -> list[int]:
     return list(_prefixes(hashes))
 
 
+def prefix_key_bytes(hashes: Iterable[int]) -> bytes:
+    """``prefix_keys`` packed as native-endian unsigned 64-bit integers."""
+    if not isinstance(hashes, Iterable):
+        raise TypeError("prefix_key_bytes() takes an iterable of int")
+    return array("Q", _prefixes(hashes)).tobytes()
+
+
+def _unpack(keys: bytes, what: str) -> list[int]:
+    """The keys of a ``prefix_key_bytes`` buffer (TypeError / ValueError as the native one)."""
+    if not isinstance(keys, bytes):
+        raise TypeError(f"{what} takes the bytes of prefix_key_bytes(), not {type(keys).__name__}")
+    if len(keys) % 8:
+        raise ValueError(f"{what}: {len(keys)} bytes are not whole 64-bit keys")
+    out = array("Q")
+    out.frombytes(keys)
+    return out.tolist()
+
+
 def new_blocks(tables: Sequence[BlockCounts], hashes: Iterable[int]) -> list[int]:
     """Per table (holding whole trie paths), the blocks of ``hashes`` past the longest prefix
     of them that is a node there (``_blocks.c``'s walk from the root)."""
-    keys = prefix_keys(hashes)
+    return _walk(tables, prefix_keys(hashes))
+
+
+def new_blocks_of_keys(tables: Sequence[BlockCounts], keys: bytes) -> list[int]:
+    """``new_blocks`` of the hashes whose ``prefix_key_bytes`` are ``keys``."""
+    return _walk(tables, _unpack(keys, "new_blocks_of_keys()"))
+
+
+def _walk(tables: Sequence[BlockCounts], keys: list[int]) -> list[int]:
     n = len(keys)
     out: list[int] = []
     for table in tables:
@@ -167,6 +194,14 @@ class BlockCounts:
     def remove_prefixes(self, hashes: Iterable[int]) -> None:
         """One holder less of each prefix key of ``hashes``; KeyError on one not held."""
         self._remove_keys(_prefixes(hashes))
+
+    def add_prefix_keys(self, keys: bytes) -> None:
+        """``add_prefixes`` of the hashes whose ``prefix_key_bytes`` are ``keys``."""
+        self._add_keys(_unpack(keys, "add_prefix_keys()"))
+
+    def remove_prefix_keys(self, keys: bytes) -> None:
+        """``remove_prefixes`` of the hashes whose ``prefix_key_bytes`` are ``keys``."""
+        self._remove_keys(_unpack(keys, "remove_prefix_keys()"))
 
     def count(self, hash: int) -> int:
         """The hash's count, 0 if absent."""

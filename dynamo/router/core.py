@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 from dynamo import native
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.router.approx import ApproxIndex
+from dynamo.router.block_counts import prefix_key_bytes
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
-from dynamo.router.sequences import ActiveSequences
+from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
 from dynamo.runtime.errors import NoInstances
 
 _kernel = native.load("dynamo.router._route", "dynamo.router._route_fallback")
@@ -82,6 +83,7 @@ class RoutingCore:
         # the route kernel's call (_choose) serves every request: temperature 0, none busy
         self._one_call = self.selector.temperature == 0 and not self.selector.has_busy_thresholds
         self._cost_params = self.selector.cost_params
+        self._kv_reuse = settings.assume_kv_reuse  # the load accounting keeps prefix keys
         self.indexer: KVIndexer | None = KVIndexer() if settings.use_kv_events else None
         self.approx: ApproxIndex | None = (
             None if settings.use_kv_events else ApproxIndex(settings.ttl_secs, clock=clock)
@@ -148,6 +150,7 @@ class RoutingCore:
         dp_rank: int | None = None,
         record: bool = True,
         overlaps: dict[tuple[int, int], int] | None = None,
+        prefix_keys: bytes | None = None,
     ) -> Selection:
         """Choose a (worker, rank) for a request and (``record``) count its load there.
 
@@ -155,7 +158,9 @@ class RoutingCore:
         their chained form (computed if omitted). ``allowed``: the live worker ids to choose
         among (None: every tracked worker); ``pinned_worker``/``dp_rank`` narrow it further
         (routing hints); ``overlaps``: :meth:`find_matches` of ``local_hashes`` when the caller
-        computed it already (it times the phases). Raises ``NoInstances`` when nothing
+        computed it already (it times the phases); ``prefix_keys``: :meth:`prefix_keys` of
+        ``seq_hashes`` when the caller computed it (it records separately; computed here if
+        omitted, once for the load projection and the record). Raises ``NoInstances`` when nothing
         matches and ``Overloaded`` when every match is busy. A duplicate ``request_id``
         routes but counts its load once.
         """
@@ -167,10 +172,12 @@ class RoutingCore:
             seqs = sequence_hashes(local_hashes)
         else:  # read only here (what is kept is copied): a list is used as it is
             seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
+        if prefix_keys is None and self._kv_reuse:
+            prefix_keys = prefix_key_bytes(seqs)
         if self._one_call and targets is self._targets:  # the common request: one native call
-            chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps)
+            chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps, prefix_keys)
             if record:
-                self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
+                self.record(request_id, chosen, seqs, isl_tokens, local_hashes, prefix_keys)
             return chosen
         selector = self.selector
         if overlaps is None:
@@ -179,10 +186,15 @@ class RoutingCore:
             options = self._candidates(targets, seqs, overlaps)
             chosen = select_worker(options, isl_tokens, self.block_size, selector, self.rng)
         else:
-            chosen = self._select(targets, seqs, overlaps, isl_tokens)
+            chosen = self._select(targets, seqs, overlaps, isl_tokens, prefix_keys)
         if record:
-            self.record(request_id, chosen, seqs, isl_tokens, local_hashes)
+            self.record(request_id, chosen, seqs, isl_tokens, local_hashes, prefix_keys)
         return chosen
+
+    def prefix_keys(self, seq_hashes: Sequence[int]) -> bytes | None:
+        """What the load accounting keeps of a request's blocks (``prefix_key_bytes``; None
+        when it keeps none: ``assume_kv_reuse`` off), for :meth:`route` and :meth:`record`."""
+        return prefix_key_bytes(seq_hashes) if self._kv_reuse else None
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[tuple[int, int], int]:
         """Matched prefix blocks per (worker, rank) in the index (exact or approximate)."""
@@ -197,20 +209,23 @@ class RoutingCore:
         seq_hashes: Sequence[int],
         isl_tokens: int,
         local_hashes: Sequence[int] = (),
+        prefix_keys: bytes | None = None,
     ) -> bool:
         """Count a routed request's load on its rank (and, approximate mode, its prefix).
-        False if the id is already active (its load stays counted once) or the rank left."""
-        seqs = self.sequences
-        if not seqs.has_rank(chosen.worker_id, chosen.dp_rank) or seqs.worker_of(request_id):
+        False if the id is already active (its load stays counted once) or the rank left.
+        ``prefix_keys``: :meth:`prefix_keys` of ``seq_hashes`` if the caller has it."""
+        try:  # add_request checks both before it changes anything (one lookup each)
+            self.sequences.add_request(
+                request_id,
+                chosen.worker_id,
+                chosen.dp_rank,
+                seq_hashes,
+                new_isl_tokens=isl_tokens,
+                overlap_blocks=chosen.overlap_blocks,
+                prefix_keys=prefix_keys,
+            )
+        except (DuplicateRequest, UnknownWorkerRank):
             return False
-        seqs.add_request(
-            request_id,
-            chosen.worker_id,
-            chosen.dp_rank,
-            seq_hashes,
-            new_isl_tokens=isl_tokens,
-            overlap_blocks=chosen.overlap_blocks,
-        )
         if self.approx is not None and local_hashes:
             self.approx.record(chosen.worker_id, chosen.dp_rank, local_hashes, seq_hashes)
         return True
@@ -285,6 +300,7 @@ class RoutingCore:
         seqs: list[int],
         isl_tokens: int,
         overlaps: dict[tuple[int, int], int] | None,
+        prefix_keys: bytes | None,
     ) -> Selection:
         """:meth:`_select` over every target at temperature 0, in one call of the route kernel
         (``_route.pyi``: the index's matches, the ranks' loads, the costs and the choice)."""
@@ -300,7 +316,7 @@ class RoutingCore:
             assert self.approx is not None
             matches = self.approx.find_matches(local_hashes)
         keys = self._target_keys
-        ranks, new, _ = self.sequences.rank_loads(seqs, keys)
+        ranks, new, _ = self.sequences.rank_loads(seqs, keys, prefix_keys)
         bs = self.block_size
         i, overlap, costs = _choose(
             matches,
@@ -331,6 +347,7 @@ class RoutingCore:
         seqs: list[int],
         overlaps: dict[tuple[int, int], int],
         isl_tokens: int,
+        prefix_keys: bytes | None,
     ) -> Selection:
         """``select_worker`` without busy thresholds, over columns: the per-target work is list
         building and the cost kernel (``selector.column_costs``), no ``Candidate`` objects."""
@@ -339,7 +356,7 @@ class RoutingCore:
             keys, index = self._target_keys, self._target_index
         else:
             keys = [(w.worker_id, r) for w, r in targets]
-        prefill, decode, new, requests = self.sequences.load_columns(seqs, keys)
+        prefill, decode, new, requests = self.sequences.load_columns(seqs, keys, prefix_keys)
         if not self.settings.track_active_blocks:
             decode = new = [0] * len(keys)
         overlap = [0] * len(keys)

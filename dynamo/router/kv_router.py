@@ -216,8 +216,9 @@ class KVRouter:
             dp_rank=hints.dp_rank if hints is not None else None,
             record=False,
             overlaps=overlaps,
+            prefix_keys=(prefix := self.core.prefix_keys(seqs)),  # chained once: route + record
         )
-        if not self.core.record(request_id, chosen, seqs, isl, local):
+        if not self.core.record(request_id, chosen, seqs, isl, local, prefix):
             log.warning("request id %s routed twice; load counted once", request_id)
         if self._sync is not None:
             self._sync.publish(

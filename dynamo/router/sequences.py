@@ -20,10 +20,21 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dynamo.router.block_counts import BlockCounts, new_blocks
+from dynamo.router.block_counts import BlockCounts, new_blocks, new_blocks_of_keys, prefix_key_bytes
+from dynamo.router.loads import ActiveLoad, LoadProjection, PotentialLoad
 from dynamo.router.sequences_check import check_sequences
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "ActiveLoad",
+    "ActiveSequences",
+    "DuplicateRequest",
+    "LoadProjection",
+    "PotentialLoad",
+    "UnknownWorkerRank",
+    "WorkerRank",
+]
 
 WorkerRank = tuple[int, int]
 """``(worker_id, dp_rank)``."""
@@ -40,46 +51,6 @@ class DuplicateRequest(ValueError):
 
 class UnknownWorkerRank(LookupError):
     """``add_request`` on a (worker_id, dp_rank) that was never added (or was removed)."""
-
-
-class PotentialLoad(msgspec.Struct, gc=False):
-    """What one worker rank's load would be if a new request were added there.
-
-    ``potential_prefill_tokens`` = active prefill tokens + the new request's tokens;
-    ``potential_decode_blocks`` = active unique blocks + the request's blocks not already active;
-    ``active_requests`` = requests active there now (not counting the new one).
-    """
-
-    worker_id: int
-    dp_rank: int
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    active_requests: int
-
-
-class ActiveLoad(msgspec.Struct, gc=False):
-    """One worker rank's current load."""
-
-    worker_id: int
-    dp_rank: int
-    active_prefill_tokens: int
-    active_decode_blocks: int
-    active_requests: int
-
-
-class LoadProjection(msgspec.Struct, gc=False):
-    """One worker rank's load and what a new request would add there (the router's view).
-
-    ``new_decode_blocks``: the request's blocks not already active on the rank, so
-    potential decode blocks = ``active_decode_blocks + new_decode_blocks``.
-    """
-
-    worker_id: int
-    dp_rank: int
-    active_prefill_tokens: int
-    active_decode_blocks: int
-    new_decode_blocks: int
-    active_requests: int
 
 
 def _length(sequence_hashes: Iterable[int] | BlockCounts) -> int:
@@ -109,7 +80,7 @@ class _Rank:
 class _Request(msgspec.Struct, gc=False):
     # A Struct (not a dataclass): created on every add, and Struct.__init__ runs in C.
     rank: _Rank
-    hashes: tuple[int, ...]
+    keys: bytes  # the prefix keys of its blocks (prefix_key_bytes); empty without KV reuse
     private_blocks: int
     prefill_tokens: int  # 0 once prefill completed
     started_at: float
@@ -258,13 +229,15 @@ class ActiveSequences:
         *,
         new_isl_tokens: int = 0,
         overlap_blocks: int = 0,
+        prefix_keys: bytes | None = None,
     ) -> None:
         """Record a request routed to (worker_id, dp_rank).
 
         ``sequence_hashes``: one hash per prompt block (may be empty). Prefill load added:
         ``max(0, new_isl_tokens - overlap_blocks * block_size)``; pass ``new_isl_tokens=0`` when
-        prefill tokens are not tracked. Raises DuplicateRequest or UnknownWorkerRank (and then
-        changes nothing).
+        prefill tokens are not tracked. ``prefix_keys``: ``prefix_key_bytes(sequence_hashes)``
+        when the caller computed it already (the router's route did: its blocks are then not
+        chained again). Raises DuplicateRequest or UnknownWorkerRank (and then changes nothing).
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already active")
@@ -278,17 +251,17 @@ class ActiveSequences:
         if prefill < 0:
             prefill = 0
         if self._assume_kv_reuse:
-            hashes = tuple(sequence_hashes)
-            rank.blocks.add_prefixes(hashes)
+            keys = prefix_key_bytes(sequence_hashes) if prefix_keys is None else prefix_keys
+            rank.blocks.add_prefix_keys(keys)
             private = 0
         else:
-            hashes = ()
+            keys = b""
             private = len(sequence_hashes)
             rank.private_blocks += private
         rank.prefill_tokens += prefill
         rank.num_requests += 1
         self._stale[rank.column] = rank
-        self._requests[request_id] = _Request(rank, hashes, private, prefill, now)
+        self._requests[request_id] = _Request(rank, keys, private, prefill, now)
 
     def mark_prefill_completed(self, request_id: str) -> bool:
         """The request's first token was seen: its prefill tokens leave; its blocks stay.
@@ -317,8 +290,8 @@ class ActiveSequences:
         rank.prefill_tokens -= req.prefill_tokens
         rank.num_requests -= 1
         rank.private_blocks -= req.private_blocks
-        if req.hashes:
-            rank.blocks.remove_prefixes(req.hashes)
+        if req.keys:
+            rank.blocks.remove_prefix_keys(req.keys)
         return True
 
     def expire_stale(self, now: float | None = None) -> list[str]:
@@ -385,7 +358,10 @@ class ActiveSequences:
         ]
 
     def load_columns(
-        self, sequence_hashes: Sequence[int], keys: Sequence[WorkerRank]
+        self,
+        sequence_hashes: Sequence[int],
+        keys: Sequence[WorkerRank],
+        prefix_keys: bytes | None = None,
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """``project_loads`` as columns, for the tracked ranks ``keys`` in that order (KeyError
         for one that is not tracked): active prefill tokens, active decode blocks, the
@@ -394,7 +370,7 @@ class ActiveSequences:
         ``keys`` is resolved once and reused while the caller passes the same list object and
         no rank comes or goes: the caller must not mutate it in place. ``keys`` in the order the
         ranks were added (the router's targets): copies of columns kept up to date per change."""
-        ranks, new, whole = self.rank_loads(sequence_hashes, keys)
+        ranks, new, whole = self.rank_loads(sequence_hashes, keys, prefix_keys)
         if whole:  # every rank in rank-list order: the kept columns
             prefill, decode, requests = self._columns
             for i, rank in self._stale.items():
@@ -411,11 +387,14 @@ class ActiveSequences:
         )
 
     def rank_loads(
-        self, sequence_hashes: Sequence[int], keys: Sequence[WorkerRank]
+        self,
+        sequence_hashes: Sequence[int],
+        keys: Sequence[WorkerRank],
+        prefix_keys: bytes | None = None,
     ) -> tuple[list[_Rank], list[int], bool]:
         """The ranks ``keys`` (``load_columns``' contract) as the route kernel reads them
         (``router/_route.pyi``), the request's blocks new on each, and whether they are every
-        rank in rank-list order. Read-only."""
+        rank in rank-list order. Read-only. ``prefix_keys``: as ``add_request``'s."""
         cached = self._columns_for
         if cached is not None and cached[0] is keys:
             ranks, tables, whole = cached[1], cached[2], cached[3]
@@ -427,6 +406,8 @@ class ActiveSequences:
             self._columns_for = (keys, ranks, tables, whole)
         if self._assume_kv_reuse:
             # the rank's trie holds whole paths: the request's blocks past its deepest node
+            if prefix_keys is not None:
+                return ranks, new_blocks_of_keys(tables, prefix_keys), whole
             return ranks, new_blocks(tables, sequence_hashes), whole
         return ranks, [len(sequence_hashes)] * len(ranks), whole
 

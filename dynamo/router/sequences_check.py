@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
-
-from dynamo.router.block_counts import prefix_keys
 
 if TYPE_CHECKING:
     from dynamo.router.sequences import ActiveSequences
@@ -31,7 +30,9 @@ def check_sequences(seqs: ActiveSequences) -> None:
         if req.prefill_tokens < 0 or (seqs._assume_kv_reuse and req.private_blocks):
             raise AssertionError(f"request {request_id!r} has bad counters")
         blocks, prefill, private, count = expected[id(req.rank)]
-        for node in prefix_keys(req.hashes):
+        if len(req.keys) % 8 or (req.keys and not seqs._assume_kv_reuse):
+            raise AssertionError(f"request {request_id!r} has bad prefix keys")
+        for node in array("Q", req.keys):
             blocks[node] = blocks.get(node, 0) + 1
         expected[id(req.rank)] = (
             blocks,

@@ -406,3 +406,64 @@ def test_an_admission_in_c_refuses_what_the_methods_refuse(native: ModuleType, b
     assert outcomes[0] == outcomes[1]
     assert isinstance(outcomes[0][0], list) and outcomes[0][0][0][2]  # full blocks were used
     assert isinstance(outcomes[0][1], str)  # the bad hash was refused
+
+
+@pytest.mark.parametrize("bad", [None, "unique", "hash", "local", "full"])
+def test_promote_and_release_in_c_refuse_what_the_methods_refuse(
+    native: ModuleType, bad: str | None
+) -> None:
+    """With the native KV manager, filled blocks are promoted and the finished released in C
+    (``_kv_api.h``: the lists' items, no method call); list subclasses take the methods. Both:
+    the same blocks, events and errors."""
+    native_kv = pytest.importorskip("dynamo.engine_core._kv")
+    outcomes = []
+    for list_type in (list, OtherList):
+        sched = Scheduler(Shape(num_gpu_blocks=40, max_num_batched_tokens=100))
+        sched.kv = native_kv.KVManager(40)  # the native one (DYN_NATIVE=0 too)
+        request = PreprocessedRequest(
+            model="m", token_ids=list(range(13)), stop=StopConditions(max_tokens=1)
+        )
+        seq = sequence_from_request(Shape(), request, "r0", 0.0)
+        sched.enqueue(seq)
+        entries, *_ = native.schedule_pass(
+            sched._running,  # noqa: SLF001
+            sched._waiting,  # noqa: SLF001
+            sched.kv,
+            sched.config,
+            0.0,
+            sched.transfer_seconds,
+        )
+        unique, hashes, locals_ = (list(seq.unique_blocks), seq.block_hashes, seq.local_hashes)
+        full = list(seq.full_blocks)
+        if bad == "unique":  # a private block that is not allocated
+            unique[1] = next(i for i in range(40) if i not in unique)
+        elif bad == "hash":
+            hashes[1] = "x"
+        elif bad == "local":
+            locals_[2] = 1 << 64
+        elif bad == "full":  # a full block the manager does not hold
+            full = [12345]
+        seq.unique_blocks, seq.full_blocks = list_type(unique), list_type(full)
+        seq.block_hashes, seq.local_hashes = list_type(hashes), list_type(locals_)
+        args = (sched._running, sched._requests, sched.kv, BS)  # noqa: SLF001
+        try:  # promotes the prompt's 3 filled blocks, then releases them (max_tokens=1)
+            _, finished, events = native.update_pass(entries, [41], *args)
+            outcomes.append(
+                (
+                    [s.request_id for s in finished],
+                    msgspec.json.encode(events),
+                    sorted(sched.kv.cached_blocks()),
+                    sched.kv.num_active_blocks,
+                    seq.full_blocks,
+                    seq.unique_blocks,
+                )
+            )
+            sched.kv.check_invariants()
+        except (KeyError, TypeError, OverflowError) as exc:
+            state = (sched.kv.num_active_blocks, list(seq.full_blocks), list(seq.unique_blocks))
+            outcomes.append((type(exc).__name__, str(exc), state))
+    assert outcomes[0] == outcomes[1]
+    if bad is None:  # promoted (a Stored event of 3 blocks), released
+        assert outcomes[0][0] == ["r0"] and len(outcomes[0][2]) == 3 and outcomes[0][3] == 0
+    else:
+        assert isinstance(outcomes[0][0], str)  # refused

@@ -14,6 +14,7 @@ import random
 import re
 import subprocess
 import sys
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated
@@ -31,23 +32,30 @@ from hypothesis.stateful import (
 )
 
 from dynamo.router import _blocks_fallback
-from dynamo.router.block_counts import BlockCounts, new_blocks, prefix_keys
+from dynamo.router.block_counts import (
+    BlockCounts,
+    new_blocks,
+    new_blocks_of_keys,
+    prefix_key_bytes,
+    prefix_keys,
+)
 
 IMPLEMENTATIONS = ["dynamo.router._blocks", "dynamo.router._blocks_fallback"]
 
 
 @pytest.fixture(scope="module", autouse=True, params=IMPLEMENTATIONS, ids=["native", "fallback"])
 def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Binds this module's ``BlockCounts``, ``new_blocks`` and ``prefix_keys`` to one
-    implementation."""
-    global BlockCounts, new_blocks, prefix_keys
+    """Binds this module's ``BlockCounts``, ``new_blocks``, ``new_blocks_of_keys``,
+    ``prefix_key_bytes`` and ``prefix_keys`` to one implementation."""
+    global BlockCounts, new_blocks, new_blocks_of_keys, prefix_key_bytes, prefix_keys
     module = pytest.importorskip(request.param)  # the native one may not be built here
-    saved = BlockCounts, new_blocks, prefix_keys
+    saved = BlockCounts, new_blocks, new_blocks_of_keys, prefix_key_bytes, prefix_keys
     BlockCounts, new_blocks, prefix_keys = module.BlockCounts, module.new_blocks, module.prefix_keys
+    new_blocks_of_keys, prefix_key_bytes = module.new_blocks_of_keys, module.prefix_key_bytes
     try:
         yield request.param
     finally:
-        BlockCounts, new_blocks, prefix_keys = saved
+        BlockCounts, new_blocks, new_blocks_of_keys, prefix_key_bytes, prefix_keys = saved
 
 
 U64 = 2**64 - 1
@@ -703,7 +711,7 @@ def test_from_json_accepts_exactly_what_msgspec_accepts(doc: bytes) -> None:
     assert as_dict(BlockCounts.from_json(doc)) == model_of(expected)
 
 
-# ------------------------------------------------------------ prefix keys (trie nodes) (5)
+# ------------------------------------------------------------ prefix keys (trie nodes) (6)
 
 SEQS = st.lists(st.lists(st.integers(-3, 3), max_size=6), max_size=8)  # much prefix sharing
 
@@ -717,8 +725,11 @@ def trie_nodes(seqs: Iterable[list[int]]) -> Counter[tuple[int, ...]]:
 @settings(max_examples=100)
 def test_prefix_tables_count_trie_nodes(seqs: list[list[int]], query: list[int], drop: int) -> None:
     table = BlockCounts()
-    for s in seqs:
-        table.add_prefixes(s if len(s) % 2 else iter(s))  # the sequence and iterator paths
+    for i, s in enumerate(seqs):  # the sequence, iterator and prepared-key paths
+        if i % 3 == 2:
+            table.add_prefix_keys(prefix_key_bytes(s))
+        else:
+            table.add_prefixes(s if len(s) % 2 else iter(s))
     nodes = trie_nodes(seqs)
     assert len(table) == len(nodes)
     assert sorted(c for _, c in table.items()) == sorted(nodes.values())
@@ -728,8 +739,11 @@ def test_prefix_tables_count_trie_nodes(seqs: list[list[int]], query: list[int],
         doc = json.dumps(probe).encode()
         assert table.count_absent(BlockCounts.prefixes_from_json(doc)) == absent
     kept, gone = seqs[drop:], seqs[:drop]
-    for s in gone:
-        table.remove_prefixes(s)
+    for i, s in enumerate(gone):
+        if i % 2:
+            table.remove_prefix_keys(prefix_key_bytes(s))
+        else:
+            table.remove_prefixes(s)
     assert sorted(c for _, c in table.items()) == sorted(trie_nodes(kept).values())
 
 
@@ -758,6 +772,7 @@ def test_new_blocks_walks_each_trie(
         want = [t.count_absent(BlockCounts.of_prefixes(probe)) for t in held]
         assert new_blocks(held, probe) == want
         assert new_blocks(tuple(held), tuple(probe)) == want
+        assert new_blocks_of_keys(held, prefix_key_bytes(probe)) == want
 
 
 def test_new_blocks_long_requests_and_bad_input() -> None:
@@ -786,6 +801,39 @@ def test_prefix_keys_name_whole_prefixes() -> None:
     table = BlockCounts.of_prefixes([5, 6, 7])
     assert as_dict(table) == model_of(keys)
     assert as_dict(BlockCounts.prefixes_from_json(b"[5, 6,7]")) == as_dict(table)
+
+
+def test_prefix_key_bytes_pack_the_prefix_keys() -> None:
+    """``prefix_key_bytes`` is ``prefix_keys`` packed; the keyed forms refuse other buffers
+    and, like the hashed ones, raise KeyError on a key not held (those before it removed)."""
+    for hashes in ([], [5], [5, 6, 7], [-1, I64_MIN, U64], list(range(300))):
+        packed = prefix_key_bytes(hashes)
+        assert isinstance(packed, bytes) and list(array("Q", packed)) == prefix_keys(hashes)
+    assert prefix_key_bytes(iter([5, 6])) == prefix_key_bytes((5, 6))
+    long = list(range(300))
+    table = BlockCounts()
+    table.add_prefix_keys(prefix_key_bytes(long[:200]))
+    assert new_blocks_of_keys([table, BlockCounts()], prefix_key_bytes(long)) == [100, 300]
+    assert new_blocks_of_keys([table], b"") == [0]
+    assert as_dict(table) == as_dict(BlockCounts.of_prefixes(long[:200]))
+    with pytest.raises(KeyError):
+        table.remove_prefix_keys(prefix_key_bytes([0, 1, 2, 9]))
+    assert len(table) == 197  # three of [0, 1, 2] left before the missing fourth
+    for bad in (bytearray(8), [1], "12345678", None):
+        with pytest.raises(TypeError):
+            table.add_prefix_keys(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            new_blocks_of_keys([table], bad)  # type: ignore[arg-type]
+    for method in (table.add_prefix_keys, table.remove_prefix_keys):
+        with pytest.raises(ValueError, match="whole 64-bit keys"):
+            method(b"1234567")
+    with pytest.raises(TypeError):
+        new_blocks_of_keys([table, {1: 1}], b"")  # type: ignore[list-item]
+    with pytest.raises((TypeError, OverflowError)):
+        prefix_key_bytes([1, 2**64])
+    with pytest.raises(TypeError):
+        prefix_key_bytes(5)  # type: ignore[arg-type]
+    assert len(table) == 197
 
 
 def test_prefix_methods_reject_what_the_plain_ones_reject() -> None:

@@ -70,6 +70,25 @@ def test_hints_and_duplicates() -> None:
         core.route("x", local, 8, dp_rank=3)
 
 
+def test_record_with_the_prefix_keys_of_the_route() -> None:
+    """The live router's split call: ``route(record=False)`` then ``record`` with the prefix
+    keys it computed once counts the same load as ``route`` recording; a duplicate id or a rank
+    that left is refused (False) and changes nothing."""
+    local = local_block_hashes(list(range(40)), BS)
+    seqs = sequence_hashes(local)
+    recorded, split = _core(), _core()
+    recorded.route("r", local, 40, seq_hashes=seqs)
+    keys = split.prefix_keys(seqs)
+    chosen = split.route("r", local, 40, seq_hashes=seqs, record=False, prefix_keys=keys)
+    assert split.record("r", chosen, seqs, 40, local, keys)
+    assert split.sequences.active_loads() == recorded.sequences.active_loads()
+    assert not split.record("r", chosen, seqs, 40, local, keys)  # already active
+    split.remove_worker(chosen.worker_id)
+    assert not split.record("s", chosen, seqs, 40, local, keys)  # its rank left
+    assert "s" not in split.sequences
+    split.sequences.check_invariants()
+
+
 def test_busy_workers_are_refused() -> None:
     core = _core(active_prefill_tokens_threshold=4)
     core.route("a", [], 10)
