@@ -51,7 +51,7 @@ class _Collector:
     """Outputs of one request, from the step loop to its ``generate`` consumer. Tokens pile up
     while the consumer is busy and are taken all at once (coalescing)."""
 
-    __slots__ = ("tokens", "terminal", "error", "done", "cancelled", "waiter")
+    __slots__ = ("tokens", "terminal", "error", "done", "cancelled", "stopped", "waiter")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -59,12 +59,19 @@ class _Collector:
         self.error: DynamoError | None = None
         self.done = False  # the scheduler no longer knows the request
         self.cancelled = False  # abort(ctx) freed it: end with a cancelled terminal
+        # the request's context stopped (set by its ``on_stop`` callback, which runs at once if
+        # it had already: the consumer reads a flag per output instead of calling is_stopped())
+        self.stopped = False
         self.waiter: asyncio.Future[None] | None = None  # set while the consumer waits
 
     def wake(self, _ctx: Context | None = None) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def stop(self, _ctx: Context) -> None:
+        self.stopped = True
+        self.wake()
 
 
 @dataclass(slots=True)
@@ -178,12 +185,12 @@ class MockerEngine(LLMEngine):
         self._ctx_keys.setdefault(ctx.id, set()).add(key)
         rank.inbox.append((seq, key))
         rank.wake.set()
-        remove_monitor = ctx.on_stop(col.wake)
+        remove_monitor = ctx.on_stop(col.stop)
         loop = asyncio.get_running_loop()
         n_out = 0
         try:
             while True:
-                if (col.cancelled or ctx.is_stopped()) and col.terminal is None:
+                if (col.cancelled or col.stopped) and col.terminal is None:
                     n_out += len(col.tokens)
                     out = _terminal(FinishReason.CANCELLED, col.tokens, seq, n_out)
                     yield out if lp is None else lp.annotate(out)
@@ -341,8 +348,10 @@ class MockerEngine(LLMEngine):
     def _deliver(self, rank: _Rank, out: StepOutput) -> None:
         collectors = rank.collectors
         trace_first = log.isEnabledFor(logging.DEBUG)
+        # Per token of the batch (~64 a pass at c=64): no calls beyond the needed ones (the
+        # property ``num_output_tokens`` and ``_Collector.wake`` inlined).
         for seq, token in out.tokens:
-            if seq.num_output_tokens == 1:  # its prefill is done: count its prefix-cache hit
+            if len(seq.tokens) == seq.num_prompt_tokens + 1:  # first token: count its cache hit
                 rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
                 if trace_first:
                     pass_log.first_token(seq, out, self.clock.now())
@@ -354,7 +363,9 @@ class MockerEngine(LLMEngine):
             col = collectors.get(seq.request_id)
             if col is not None:
                 col.tokens.append(token)
-                col.wake()
+                waiter = col.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
         for seq in out.finished:
             col = collectors.get(seq.request_id)
             if col is not None:

@@ -87,9 +87,13 @@ _BIN32: Final = struct.Struct(">BI")
 FINAL_BODY: Final = _encode(Annotated.from_complete_final())
 
 
+_BIN8_HEADS: Final = tuple(_DATA_KEY + bytes((0xC4, n)) for n in range(0x100))
+"""The Annotated head of every body shorter than 256 bytes (bin8), by length."""
+
+
 def _data_head(n: int) -> bytes:
     if n < 0x100:
-        return _DATA_KEY + bytes((0xC4, n))
+        return _BIN8_HEADS[n]
     if n < 0x10000:
         return _DATA_KEY + _BIN16.pack(0xC5, n)
     return _DATA_KEY + _BIN32.pack(0xC6, n)
@@ -102,6 +106,8 @@ def data_overhead(n: int) -> int:
 
 def data_frame_head(stream_id: int, n: int) -> bytes:
     """Prefix + Annotated head of a RESPONSE data frame; the caller appends the ``n`` body bytes."""
+    if n < 0x100:  # a token chunk (the common case): the head from the table, no call
+        return PREFIX.pack(MAGIC, RESPONSE, 0, stream_id, 0, _DATA_KEY_LEN + 2 + n) + _BIN8_HEADS[n]
     head = _data_head(n)
     return PREFIX.pack(MAGIC, RESPONSE, 0, stream_id, 0, len(head) + n) + head
 
