@@ -283,6 +283,64 @@ in_set(PyObject *set, PyObject *token)
 
 static PyObject *sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded);
 
+/* The excluded ids as numbers: the mocker passes the same frozenset (its special ids) every
+ * pass, so the last one is held (immutable: its identity says its content) with its members
+ * as uint64s, their range first; a draw then is checked without an int object or a set
+ * lookup. Only for a set of at most EXCL_MAX exact non-negative ints of 64 bits (equality
+ * with an id is then equality of the numbers); any other: ``excl_n`` -1, the set is asked. */
+enum { EXCL_MAX = 32 };
+static PyObject *excl_set;
+static uint64_t excl_ids[EXCL_MAX], excl_lo, excl_hi;
+static int excl_n = -1;
+
+/* The number of excluded ids as numbers (excl_ids), or -1: look them up in the set. */
+static int
+excluded_ids(PyObject *excluded)
+{
+    if (!PyFrozenSet_CheckExact(excluded))
+        return -1;
+    if (excluded == excl_set)
+        return excl_n;
+    int n = 0, usable = PySet_GET_SIZE(excluded) <= EXCL_MAX;
+    PyObject *it = usable ? PyObject_GetIter(excluded) : NULL, *key;
+    if (it == NULL) {
+        PyErr_Clear(); /* the set answers instead */
+        usable = 0;
+    }
+    while (usable && (key = PyIter_Next(it)) != NULL) {
+        uint64_t v;
+        if (n < EXCL_MAX && dyn_u64_digits(key, &v))
+            excl_ids[n++] = v;
+        else
+            usable = 0;
+        Py_DECREF(key);
+    }
+    Py_XDECREF(it);
+    if (PyErr_Occurred()) { /* the iteration failed: the set answers instead */
+        PyErr_Clear();
+        usable = 0;
+    }
+    excl_lo = UINT64_MAX, excl_hi = 0;
+    for (int k = 0; k < n; k++) {
+        excl_lo = excl_ids[k] < excl_lo ? excl_ids[k] : excl_lo;
+        excl_hi = excl_ids[k] > excl_hi ? excl_ids[k] : excl_hi;
+    }
+    Py_XSETREF(excl_set, Py_NewRef(excluded));
+    excl_n = usable ? n : -1;
+    return excl_n;
+}
+
+static inline int
+excluded_id(uint64_t id, int n)
+{
+    if (id < excl_lo || id > excl_hi)
+        return 0;
+    for (int k = 0; k < n; k++)
+        if (excl_ids[k] == id)
+            return 1;
+    return 0;
+}
+
 /* sample_tokens's checks of ``excluded`` and ``vocab_size``: 0, or -1 with the error. */
 static int
 sample_args(PyObject *vocab_obj, PyObject *excluded, unsigned long long *vocab)
@@ -321,6 +379,7 @@ static PyObject *
 sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
 {
     Py_ssize_t count = b->count;
+    int nexcl = excluded_ids(excluded);
     PyObject *out = PyList_New(count);
     if (out == NULL)
         return NULL;
@@ -356,17 +415,19 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         }
         for (;;) {
             uint64_t id = (uint64_t)(((unsigned __int128)(state >> 32) * vocab) >> 32);
-            token = PyLong_FromUnsignedLongLong(id);
-            if (token == NULL)
-                break;
-            int hit = in_set(excluded, token);
-            if (hit == 0)
-                hit = in_set(banned, token);
-            if (hit == 0)
-                break;
-            Py_CLEAR(token);
-            if (hit < 0)
-                break;
+            if (nexcl < 0 || !excluded_id(id, nexcl)) {
+                token = PyLong_FromUnsignedLongLong(id);
+                if (token == NULL)
+                    break;
+                int hit = nexcl < 0 ? in_set(excluded, token) : 0;
+                if (hit == 0)
+                    hit = in_set(banned, token);
+                if (hit == 0)
+                    break;
+                Py_CLEAR(token);
+                if (hit < 0)
+                    break;
+            }
             state = state * LCG_MUL + LCG_INC;
         }
         Py_DECREF(banned);
