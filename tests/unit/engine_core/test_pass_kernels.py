@@ -84,7 +84,18 @@ def fields(seq: Sequence) -> tuple[Any, ...]:
 
 def test_sample_tokens_matches_the_fallback(native: ModuleType) -> None:
     rng = random.Random(7)
-    for vocab, excluded in [(50, frozenset()), (50, frozenset(range(40))), (2**40, frozenset())]:
+    few = frozenset(range(10, 30))  # the mocker's case: its special ids, the same set each pass
+    cases: list[tuple[int, Any]] = [
+        (50, frozenset()),
+        (50, frozenset(range(40))),  # more than the native pass keeps as numbers
+        (2**40, frozenset()),
+        (50, few),
+        (50, few),  # the same set again (held by the native pass)
+        (50, frozenset(range(10, 30))),  # an equal one
+        (50, frozenset({True, 4.0, 9, -1})),  # not all exact non-negative ints: the set is asked
+        (50, set(range(10, 30))),  # not frozen: the set is asked
+    ]
+    for vocab, excluded in cases:
         seqs = [make(i, rng) for i in range(40)]
         entries = [(s, rng.randrange(0, 30)) for s in seqs]
         want = _pass_fallback.sample_tokens(entries, vocab, excluded)
