@@ -1175,7 +1175,10 @@ finish_reason(PyObject *seq, Py_ssize_t num_tokens, PyObject *token, PyObject **
     PyObject *stops = get(seq, F_STOP_TOKEN_IDS);
     if (stops == NULL)
         return -1;
-    int hit = PySequence_Contains(stops, token);
+    /* a set's membership directly (most have none: no lookup at all) */
+    int hit = !PyAnySet_CheckExact(stops)      ? PySequence_Contains(stops, token)
+              : PySet_GET_SIZE(stops) == 0 ? 0
+                                           : PySet_Contains(stops, token);
     Py_DECREF(stops);
     if (hit < 0)
         return -1;
@@ -1236,7 +1239,8 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
     Py_DECREF(tokens);
     if (rc < 0)
         return -1;
-    PyObject *pair = PyTuple_Pack(2, seq, token), *reason;
+    PyObject *items[2] = {seq, token}, *reason;
+    PyObject *pair = tuple_of(2, items, NULL);
     if (pair == NULL)
         return -1;
     rc = PyList_Append(tokens_out, pair);
@@ -1350,7 +1354,8 @@ update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requ
     events = PyObject_VectorcallMethod(drain, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (events == NULL)
         goto done;
-    result = PyTuple_Pack(3, tokens_out, finished, events);
+    PyObject *parts[3] = {tokens_out, finished, events};
+    result = tuple_of(3, parts, NULL);
 done:
     Py_XDECREF(tokens_out);
     Py_XDECREF(finished);
