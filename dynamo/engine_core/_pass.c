@@ -139,12 +139,25 @@ put_new(PyObject *seq, int f, PyObject *v)
     return rc;
 }
 
+/* An int field's value: the fields read every pass (token counts, limits) are exact ints of
+ * at most one digit, read from it (CPython 3.11's layout, as ``dyn_u64_digits``); any other
+ * value goes through ``PyLong_AsSsize_t``, with the same result and errors. */
 static int
 get_ssize(PyObject *seq, int f, Py_ssize_t *out)
 {
     PyObject *v = get(seq, f);
     if (v == NULL)
         return -1;
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0 || size == 1 || size == -1) {
+            *out = size == 0 ? 0 : size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+            Py_DECREF(v);
+            return 0;
+        }
+    }
+#endif
     *out = PyLong_AsSsize_t(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;

@@ -467,3 +467,26 @@ def test_promote_and_release_in_c_refuse_what_the_methods_refuse(
         assert outcomes[0][0] == ["r0"] and len(outcomes[0][2]) == 3 and outcomes[0][3] == 0
     else:
         assert isinstance(outcomes[0][0], str)  # refused
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 1 << 30, 1 << 62, True])
+def test_int_fields_of_any_size_read_as_the_fallback_reads_them(
+    native: ModuleType, max_tokens: int
+) -> None:
+    """The native pass reads one-digit ints from their digit; wider ones, and an int subclass,
+    through the API: the same finishes as the fallback."""
+    outcomes = []
+    for module in (_pass_fallback, native):
+        sched = Scheduler(Shape())
+        request = PreprocessedRequest(
+            model="m", token_ids=[5, 6, 7], stop=StopConditions(max_tokens=4)
+        )
+        seq = sched.add_request(request, "r0", 0.0)
+        seq.max_tokens = max_tokens
+        seq.min_tokens = -(1 << 31)  # negative, two digits
+        batch = sched.schedule(0.0)
+        args = (sched._running, sched._requests, sched.kv, BS)  # noqa: SLF001
+        _, finished, _ = module.update_pass(batch.entries, [41], *args)
+        outcomes.append(([s.request_id for s in finished], seq.finish_reason))
+    assert outcomes[0] == outcomes[1]
+    assert (outcomes[0][0] == ["r0"]) == (max_tokens == 1)
