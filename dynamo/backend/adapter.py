@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import msgspec
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 request_decoder = msgspec.msgpack.Decoder(PreprocessedRequest)
 output_encoder = msgspec.msgpack.Encoder()
+_encode = output_encoder.encode
 
 
 class EngineAdapter:
@@ -61,39 +63,42 @@ class EngineAdapter:
         self.num_inflight = 0
         self.last_activity = time.monotonic()  # the latest output sent (health-check canaries)
 
-    async def handle(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
-        """The request-plane handler: bytes in, encoded ``LLMEngineOutput`` chunks out."""
+    def handle(self, body: bytes, ctx: Context) -> AsyncIterator[bytes]:
+        """The request-plane handler: bytes in, encoded ``LLMEngineOutput`` chunks out.
+
+        Raises ``InvalidArgument`` at once for a malformed body. The stream is ``generate``'s
+        own generator, encoding as it goes: a frame passes one async generator here, not two
+        (each layer costs a resumption and an exception object a frame)."""
         try:
             request = request_decoder.decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidArgument(f"malformed request: {exc}") from exc
-        encode = output_encoder.encode
         span = tracing.tracer().start_span(
             "handle_payload",
             context=tracing.parent_context(request.traceparent),
             kind=SpanKind.SERVER,
             attributes={"request_id": request.request_id or ctx.id, "model": request.model},
         )
-        sent = 0
-        try:
-            async for output in self.generate(request, ctx, parent=span):
-                chunk = encode(output)
-                sent += len(chunk)
-                yield chunk
-        except DynamoError as exc:
-            span.set_status(Status(StatusCode.ERROR, f"{exc.kind}: {exc}"))
-            raise
-        finally:
-            span.end()
-            if self.metrics is not None:
-                self.metrics.request_bytes.inc(len(body))
-                self.metrics.response_bytes.inc(sent)
+        stream = self._stream(request, ctx, span, _Payload(span, len(body)))
+        return cast(AsyncIterator[bytes], stream)  # with a payload it yields bytes only
 
-    async def generate(
+    def generate(
         self, request: PreprocessedRequest, ctx: Context, parent: Span | None = None
     ) -> AsyncIterator[LLMEngineOutput]:
         """Run one request through the engine with monitoring, validation and its
         ``engine.generate`` span (a child of ``parent``, else of the request's trace context)."""
+        stream = self._stream(request, ctx, parent, None)
+        return cast(AsyncIterator[LLMEngineOutput], stream)  # no payload: outputs only
+
+    async def _stream(
+        self,
+        request: PreprocessedRequest,
+        ctx: Context,
+        parent: Span | None,
+        payload: _Payload | None,
+    ) -> AsyncIterator[LLMEngineOutput | bytes]:
+        """``generate``'s stream; with ``payload`` (``handle``) its outputs encoded, the payload
+        span's status and end, and the bytes in and out counted."""
         span = self._generate_span(request, parent)
         trace = _GenerateTrace(span, tracing.recording())
         remove_monitor = ctx.on_stop(self._schedule_abort)
@@ -111,7 +116,12 @@ class EngineAdapter:
                         if output.finish_reason is not FinishReason.ERROR:
                             self.last_activity = time.monotonic()
                         trace.chunk(output)
-                        yield output
+                        if payload is None:
+                            yield output
+                        else:
+                            chunk = _encode(output)
+                            payload.sent += len(chunk)
+                            yield chunk
             except DynamoError as exc:
                 validator.terminated = True
                 trace.error(exc.kind, str(exc))
@@ -128,7 +138,16 @@ class EngineAdapter:
             repair = validator.finish()
             if repair is not None:
                 trace.chunk(repair)
-                yield repair
+                if payload is None:
+                    yield repair
+                else:
+                    chunk = _encode(repair)
+                    payload.sent += len(chunk)
+                    yield chunk
+        except DynamoError as exc:
+            if payload is not None:
+                payload.span.set_status(Status(StatusCode.ERROR, f"{exc.kind}: {exc}"))
+            raise
         finally:
             trace.end(ctx.is_stopped())
             self.num_inflight -= 1
@@ -139,6 +158,11 @@ class EngineAdapter:
                 metrics.duration.observe(time.monotonic() - started)
                 if ctx.is_stopped():
                     metrics.cancellations.inc()
+            if payload is not None:
+                payload.span.end()
+                if metrics is not None:
+                    metrics.request_bytes.inc(payload.received)
+                    metrics.response_bytes.inc(payload.sent)
 
     def _generate_span(self, request: PreprocessedRequest, parent: Span | None) -> Span:
         context = (
@@ -179,6 +203,18 @@ class EngineAdapter:
         """Await outstanding abort calls (shutdown)."""
         if self._abort_tasks:
             await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
+
+
+class _Payload:
+    """The request-plane side of one ``handle`` stream: its ``handle_payload`` span and the
+    bytes received and sent."""
+
+    __slots__ = ("span", "received", "sent")
+
+    def __init__(self, span: Span, received: int) -> None:
+        self.span = span
+        self.received = received
+        self.sent = 0
 
 
 class _GenerateTrace:
