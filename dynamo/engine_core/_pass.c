@@ -1020,6 +1020,58 @@ tuple_of(Py_ssize_t n, PyObject *const *items, const Py_ssize_t *ints)
     return t;
 }
 
+/* The last config whose limits were read, when it is a frozen dataclass (the mocker's
+ * ``MockerConfig``, shared by its ranks): held, so its identity says its values, which are then
+ * not read again every pass (six attribute lookups). Any other config is read every pass. */
+static PyObject *limits_of;
+static Py_ssize_t limits_batched, limits_bs, limits_seqs;
+static int limits_chunked, limits_caching, limits_lifo;
+
+/* 1 if ``config`` is an instance of a frozen dataclass, 0 if not (no error) */
+static int
+frozen_dataclass(PyObject *config)
+{
+    PyObject *params = PyObject_GetAttrString((PyObject *)Py_TYPE(config), "__dataclass_params__");
+    PyObject *frozen = params ? PyObject_GetAttrString(params, "frozen") : NULL;
+    int t = frozen ? PyObject_IsTrue(frozen) : 0;
+    Py_XDECREF(params);
+    Py_XDECREF(frozen);
+    PyErr_Clear();
+    return t > 0;
+}
+
+/* The pass's limits from ``config`` into ``ps``: 0, or -1 with the error. */
+static int
+read_limits(PyObject *config, Pass *ps)
+{
+    if (config == limits_of) {
+        ps->max_batched = limits_batched, ps->bs = limits_bs, ps->max_seqs = limits_seqs;
+        ps->chunked = limits_chunked, ps->caching = limits_caching, ps->lifo = limits_lifo;
+        return 0;
+    }
+    if (config_ssize(config, s_max_num_batched_tokens, &ps->max_batched) < 0 ||
+        config_ssize(config, s_block_size, &ps->bs) < 0 ||
+        config_ssize(config, s_max_num_seqs, &ps->max_seqs) < 0 ||
+        (ps->chunked = config_bool(config, s_enable_chunked_prefill)) < 0 ||
+        (ps->caching = config_bool(config, s_enable_prefix_caching)) < 0)
+        return -1;
+    if (ps->bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return -1;
+    }
+    PyObject *mode = PyObject_GetAttr(config, s_preemption_mode);
+    if (mode == NULL)
+        return -1;
+    ps->lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
+    Py_DECREF(mode);
+    if (frozen_dataclass(config)) {
+        Py_XSETREF(limits_of, Py_NewRef(config));
+        limits_batched = ps->max_batched, limits_bs = ps->bs, limits_seqs = ps->max_seqs;
+        limits_chunked = ps->chunked, limits_caching = ps->caching, limits_lifo = ps->lifo;
+    }
+    return 0;
+}
+
 /* Plan the pass: ``ps`` gets its batch (``ps->plan``, only the entries that run, in order)
  * and its preempted list; ``figures``: (num_prefill_tokens, num_decodes,
  * decode_context_tokens). -1 on error. The caller frees ``ps->plan`` and ``ps->preempted``
@@ -1039,21 +1091,8 @@ schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
     ps->now = PyFloat_AsDouble(ps->now_obj);
     if (ps->now == -1.0 && PyErr_Occurred())
         return -1;
-    if (config_ssize(config, s_max_num_batched_tokens, &ps->max_batched) < 0 ||
-        config_ssize(config, s_block_size, &ps->bs) < 0 ||
-        config_ssize(config, s_max_num_seqs, &ps->max_seqs) < 0 ||
-        (ps->chunked = config_bool(config, s_enable_chunked_prefill)) < 0 ||
-        (ps->caching = config_bool(config, s_enable_prefix_caching)) < 0)
+    if (read_limits(config, ps) < 0)
         return -1;
-    if (ps->bs <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
-        return -1;
-    }
-    PyObject *mode = PyObject_GetAttr(config, s_preemption_mode);
-    if (mode == NULL)
-        return -1;
-    ps->lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
-    Py_DECREF(mode);
     ps->budget = ps->max_batched;
     if ((ps->preempted = PyList_New(0)) == NULL)
         return -1;
