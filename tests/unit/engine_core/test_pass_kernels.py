@@ -501,3 +501,40 @@ def test_int_fields_of_any_size_read_as_the_fallback_reads_them(
         outcomes.append(([s.request_id for s in finished], seq.finish_reason))
     assert outcomes[0] == outcomes[1]
     assert (outcomes[0][0] == ["r0"]) == (max_tokens == 1)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_config_is_read_every_pass_unless_frozen(native: ModuleType, frozen: bool) -> None:
+    """The native pass keeps the limits of a frozen dataclass config (it cannot change); any
+    other config is read every pass, so a change to it shows in the next pass, as in the
+    fallback."""
+    outcomes = []
+    for module in (_pass_fallback, native):
+        sched = Scheduler(Shape())
+        for i in range(4):
+            request = PreprocessedRequest(
+                model="m", token_ids=[1, 2, 3, i], stop=StopConditions(max_tokens=20)
+            )
+            sched.add_request(request, f"r{i}", 0.0)
+        limits = Shape(max_num_seqs=1)
+        config: Any = limits if frozen else Limits()
+        if not frozen:
+            config.max_num_seqs = 1
+        running = []
+        for seqs in (1, 3):
+            if frozen:
+                config = dataclasses.replace(limits, max_num_seqs=seqs)  # a new object
+            else:
+                config.max_num_seqs = seqs
+            entries, *_ = module.schedule_pass(
+                sched._running,  # noqa: SLF001
+                sched._waiting,  # noqa: SLF001
+                sched.kv,
+                config,
+                0.0,
+                sched.transfer_seconds,
+            )
+            running.append([(s.request_id, n) for s, n in entries])
+        outcomes.append(running)
+    assert outcomes[0] == outcomes[1]
+    assert [len(r) for r in outcomes[0]] == [1, 3]
