@@ -23,9 +23,6 @@ import asyncio
 import json
 import os
 import random
-import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import AsyncGenerator
@@ -36,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import uvloop  # noqa: E402
 
+from benchmarks import cachegrind  # noqa: E402
 from dynamo.backend.engine import chunk, with_usage  # noqa: E402
 from dynamo.frontend.attempt import Timeouts  # noqa: E402
 from dynamo.frontend.offload import Offload  # noqa: E402
@@ -116,25 +114,6 @@ async def measure(requests: int, concurrency: int, rounds: int) -> float:
         kit.handler.offload.close()
 
 
-def instructions(requests: int, concurrency: int) -> float:
-    """Instructions a request: two runs under cachegrind, ``requests`` apart."""
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind")
-    counts = []
-    for n in (requests, 2 * requests):
-        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
-        cmd += [sys.executable, "-m", "benchmarks.frontend_path", "--requests", str(n)]
-        cmd += ["--concurrency", str(concurrency), "--rounds", "1"]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"the run under valgrind failed:\n{done.stderr[-3000:]}")
-        found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-        if found is None:
-            raise SystemExit(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
-        counts.append(int(found.group(1).replace(",", "")))
-    return (counts[1] - counts[0]) / requests
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="a round's requests")
@@ -143,7 +122,11 @@ def main() -> int:
     parser.add_argument("--instructions", action="store_true", help="count under valgrind")
     args = parser.parse_args()
     if args.instructions:
-        per = instructions(min(args.requests, 1000), args.concurrency)
+        per = cachegrind.per_request(
+            "benchmarks.frontend_path",
+            min(args.requests, 1000),
+            ["--concurrency", str(args.concurrency), "--rounds", "1"],
+        )
         c = args.concurrency
         print(f"frontend request path, c={c}: {per / 1e6:.3f} M instructions a request")
         return 0

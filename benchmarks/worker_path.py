@@ -23,8 +23,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ sys.path.insert(0, str(REPO))
 import msgspec  # noqa: E402
 import uvloop  # noqa: E402
 
+from benchmarks import cachegrind  # noqa: E402
 from dynamo.protocol.output import LLMEngineOutput  # noqa: E402
 from dynamo.protocol.request import PreprocessedRequest, StopConditions  # noqa: E402
 from dynamo.runtime.context import Context  # noqa: E402
@@ -149,26 +148,6 @@ async def _expect(child: asyncio.subprocess.Process, word: str) -> str:
     return rest
 
 
-def instructions(requests: int, concurrency: int) -> float:
-    """Instructions a request: two runs of the worker under cachegrind, ``requests`` apart."""
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind")
-    counts = []
-    for n in (requests, 2 * requests):
-        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
-        cmd += [sys.executable, "-m", "benchmarks.worker_path", "--requests", str(n)]
-        cmd += ["--concurrency", str(concurrency), "--rounds", "1"]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"the run under valgrind failed:\n{done.stderr[-3000:]}")
-        found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-        if found is None:
-            raise SystemExit(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
-        counts.append(int(found.group(1).replace(",", "")))
-        print(done.stdout.strip().replace("best of 1 x", "under cachegrind,"), file=sys.stderr)
-    return (counts[1] - counts[0]) / requests
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="a round's requests")
@@ -181,7 +160,12 @@ def main() -> int:
         uvloop.run(client(*args.client, args.concurrency, args.requests))
         return 0
     if args.instructions:
-        per = instructions(min(args.requests, 1000), args.concurrency)
+        per = cachegrind.per_request(
+            "benchmarks.worker_path",
+            min(args.requests, 1000),
+            ["--concurrency", str(args.concurrency), "--rounds", "1"],
+            echo=True,
+        )
         c = args.concurrency
         print(f"mocker worker serving path, c={c}: {per / 1e6:.3f} M instructions a request")
         return 0
