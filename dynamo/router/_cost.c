@@ -53,18 +53,9 @@ costs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "params)");
         return NULL;
     }
-    long long isl = PyLong_AsLongLong(args[5]);
-    if (isl == -1 && PyErr_Occurred())
-        return NULL;
-    long long block_size = PyLong_AsLongLong(args[6]);
-    if (block_size == -1 && PyErr_Occurred())
-        return NULL;
-    if (block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
-        return NULL;
-    }
+    long long isl, block_size;
     DynCostParams params;
-    if (dyn_cost_params(args[7], &params) < 0)
+    if (dyn_cost_args(args[5], args[6], args[7], &isl, &block_size, &params) < 0)
         return NULL;
     Py_ssize_t n = PyObject_Length(args[0]);
     if (n < 0)

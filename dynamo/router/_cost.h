@@ -29,6 +29,25 @@ dyn_cost_params(PyObject *params, DynCostParams *p)
                : -1;
 }
 
+/* The kernel's scalar arguments ``isl_tokens``, ``block_size`` (> 0) and ``params``, as both
+ * ``_cost.costs`` and ``_route.choose`` take them: 0, or -1 with an exception. */
+static int
+dyn_cost_args(PyObject *isl_obj, PyObject *block_size_obj, PyObject *params, long long *isl,
+              long long *block_size, DynCostParams *p)
+{
+    *isl = PyLong_AsLongLong(isl_obj);
+    if (*isl == -1 && PyErr_Occurred())
+        return -1;
+    *block_size = PyLong_AsLongLong(block_size_obj);
+    if (*block_size == -1 && PyErr_Occurred())
+        return -1;
+    if (*block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
+        return -1;
+    }
+    return dyn_cost_params(params, p);
+}
+
 /* The cost of each of ``n`` candidates into ``out`` (columns of doubles holding ints). */
 static void
 dyn_costs(const DynCostParams *p, Py_ssize_t n, const double *overlap, const double *prefill,
