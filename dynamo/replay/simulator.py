@@ -445,7 +445,7 @@ class Simulation:
             # a StrEnum's str is its value (``.value`` is a Python-level enum property: 0.3 µs)
             record.finish_reason = "length" if reason is None else str(reason)
             if self._decode_text is not None:
-                record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
+                record.text = self._decode_text(seq.output)
             self._finish(flight)
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: Rank) -> None:
