@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from dynamo import native
 from dynamo.bench.request import RequestRecord, RequestSpec
@@ -51,6 +52,7 @@ from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
 from dynamo.replay.flight import Flight
+from dynamo.replay.frontend_model import FrontendModel, wake_or_arrive
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
     BUSY,
@@ -138,6 +140,7 @@ class Simulation:
         )
         self._hash_size = self.decode_pool.config.block_size
         self._hasher = SharedPrefixHasher(self._hash_size)  # a prefix group's blocks: hashed once
+        self._frontend = FrontendModel(deployment.frontend_ms) if deployment.frontend_ms else None
 
     def _clock(self) -> float:
         return self.now
@@ -190,7 +193,10 @@ class Simulation:
         gen.start()
         queue, timeouts = self._events_queue, self._timeouts
         pop, next_when = queue.pop, queue.next_when
-        pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
+        pass_end, pass_start = self._pass_end, self._pass_start
+        wake: Callable[[Any], None] = gen.wake
+        if self._frontend is not None:  # a send's event may be a flight reaching the router
+            wake = wake_or_arrive(gen.wake, self._arrive)
         self._events = 0
         if _native_loop is not None:  # this loop in C (replay/_loop.c), to the phase's end:
             self._events = _native_loop.run(self, queue, timeouts, self._counter, wake, deliver)
@@ -238,6 +244,15 @@ class Simulation:
         self._by_id[flight.request_id] = flight
         if load.load.timeout_s is not None:
             self._timeouts.append((now + load.load.timeout_s, flight))
+        if self._frontend is not None:  # the frontend's own time first
+            at = self._frontend.reaches_router(now)
+            self._events_queue.push(at, _SEND, next(self._counter), flight)
+            return
+        self._arrive(flight)
+
+    def _arrive(self, flight: Flight) -> None:
+        """``flight`` reaches the router: hashed, then held (the router queue) or routed."""
+        spec, prompt = flight.spec, flight.tokens
         hashes = self._hasher.hashes(prompt, spec.group if spec.group >= 0 else None)
         pool = self.decode_pool
         if pool.queue is not None and (len(pool.queue) or pool.core_saturated()):
