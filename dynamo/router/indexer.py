@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from dynamo import native
 from dynamo.protocol.kv_events import (
     BlocksRemoved,
     BlocksStored,
@@ -17,9 +18,13 @@ from dynamo.protocol.kv_events import (
     KVRecoveryRequest,
     KVRecoveryResponse,
 )
-from dynamo.protocol.kv_raw import decode, header
+from dynamo.protocol.kv_raw import decode
 from dynamo.router.radix_tree import RadixTree
 from dynamo.router.slots import SlotMap, WorkerKey
+
+_applier = native.load("dynamo.router._apply_raw", "dynamo.router._apply_raw_fallback")
+APPLY_RAW_IMPLEMENTATION: str = _applier.__name__
+"""The in-order raw apply in use (``dynamo.router._apply_raw`` or its ``_fallback``)."""
 
 
 class EventStatus(StrEnum):
@@ -65,6 +70,15 @@ class KVIndexer:
         self._buffer_limit = recovery_buffer_limit
         self.counters: dict[EventStatus, int] = dict.fromkeys(EventStatus, 0)
         """Events seen by status (metrics: kv_cache_events_applied{status})."""
+        # apply_raw's common buffer in one native call (it holds the ranks, tree and counters)
+        self._apply_in_order = _applier.InOrderApplier(
+            self._ranks,
+            self._tree,
+            self.counters,
+            EventStatus.OK,
+            EventStatus.PARENT_BLOCK_NOT_FOUND,
+            EventStatus.BLOCK_NOT_FOUND,
+        ).apply
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -110,22 +124,11 @@ class KVIndexer:
         """:meth:`apply_events` of a raw buffer (``dynamo.protocol.kv_raw``: one rank's
         consecutive events, the offline replay's pass), with the same statuses, counters and
         result. When its first id is the rank's next one and the rank is not recovering, the
-        tree applies it in one call (``RadixTree.apply_raw``); otherwise it is decoded."""
-        if not raw:
+        tree applies it in one call, decided and counted by ``_apply_raw.InOrderApplier``;
+        otherwise it is decoded."""
+        if self._apply_in_order(worker_id, raw):
             return []
-        dp_rank, first, count = header(raw)
-        key = (worker_id, dp_rank)
-        st = self._ranks.get(key)
-        last = None if st is None else st.last_id
-        if st is None or st.recovering or last is None or first != last + 1:
-            return self.apply_events(worker_id, decode(raw))
-        ok, parent, block = self._tree.apply_raw(st.slot, raw)
-        st.last_id = first + count - 1
-        counters = self.counters
-        counters[EventStatus.OK] += ok
-        counters[EventStatus.PARENT_BLOCK_NOT_FOUND] += parent
-        counters[EventStatus.BLOCK_NOT_FOUND] += block
-        return []
+        return self.apply_events(worker_id, decode(raw))
 
     def apply_data(self, worker_id: int, dp_rank: int, data: KVCacheEventData) -> EventStatus:
         """Apply event data without event-id tracking (tests, approximate feeds)."""

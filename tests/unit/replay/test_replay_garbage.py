@@ -92,6 +92,7 @@ KINDS: dict[str, tuple[dict[str, Any], Deployment]] = {
         Deployment(1, "kv", engine=ENGINE),
     ),
     "warm-up": ({"warmup": 12}, Deployment(2, "kv", engine=ENGINE)),
+    "frontend time": ({}, Deployment(2, "kv", engine=ENGINE, frontend_ms=0.5)),
 }
 
 

@@ -14,8 +14,9 @@ from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.__main__ import main
 from dynamo.replay.deployment import Deployment
+from dynamo.replay.flight import SimulationResult
 from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
-from dynamo.replay.simulator import Simulation, SimulationResult
+from dynamo.replay.simulator import Simulation
 
 ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16)
 
