@@ -259,7 +259,7 @@ class Simulation:
         try:
             rank, chosen = self.decode_pool.route(flight.request_id, prompt, *hashes)
             flight.routing = chosen
-            if self._remote(flight, chosen):
+            if self.prefill_pool is not None and self._remote(flight, chosen):
                 assert self.prefill_pool is not None
                 flight.decode_rank = rank
                 rank, pre = self.prefill_pool.route(flight.request_id, prompt, *hashes)
