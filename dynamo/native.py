@@ -6,10 +6,12 @@ they cannot be built:
 * with a pure-Python fallback of the same contract (``*_fallback``, chosen by :func:`load`):
   ``router._blocks`` (load accounting), ``router._hash`` (block hashes), ``router._cost`` (the
   KV router's cost per candidate), ``router._route`` (the KV router's choice among all of its
-  targets in one call), ``router._radix`` (the KV prefix tree: a native table of
-  blocks; the fallback keeps path-compressed runs), ``runtime._sender`` (write-behind),
-  ``engine_core._pass`` and ``engine_core._kv`` (the scheduler pass's loops and the KV
-  manager: a native table; the fallback keeps Python containers), ``engine_core._sequence``
+  targets in one call), ``router._apply_raw`` (the KV indexer's in-order raw events buffer:
+  the id check, the tree's call and the counters in one call), ``router._radix`` (the KV
+  prefix tree: a native table of blocks; the fallback keeps path-compressed runs),
+  ``runtime._sender`` (write-behind), ``engine_core._pass`` and ``engine_core._kv`` (the
+  scheduler pass's loops and the KV manager: a native table; the fallback keeps Python
+  containers), ``engine_core._sequence``
   (a request's ``Sequence`` built at its slot offsets, without its ``__init__``),
   ``bench._draw`` (the workloads' random words: ``random.choices``' draws),
   ``replay._events`` (the replay's event queue; the fallback is heapq), ``replay._deliver``

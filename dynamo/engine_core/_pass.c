@@ -38,19 +38,19 @@
 /* -- the Sequence's fields ----------------------------------------------------------------- */
 
 enum {
-    F_TOKENS, F_NUM_PROMPT_TOKENS, F_MAX_TOKENS, F_MIN_TOKENS, F_RNG_STATE, F_STOP_TOKEN_IDS,
+    F_PROMPT, F_NUM_PROMPT_TOKENS, F_MAX_TOKENS, F_MIN_TOKENS, F_RNG_STATE, F_STOP_TOKEN_IDS,
     F_BANNED_TOKEN_IDS, F_PENDING_TRANSFER, F_REUSE_PREFIX_CACHE, F_STATUS,
     F_NUM_COMPUTED_TOKENS, F_PREFILL_END, F_NUM_CACHED_TOKENS, F_READY_AT, F_NUM_PREEMPTIONS,
     F_FINISH_REASON, F_LOCAL_HASHES, F_BLOCK_HASHES, F_FULL_BLOCKS, F_UNIQUE_BLOCKS,
-    F_HASH_SEED, F_REQUEST_ID, F_HANDOFF, NFIELDS
+    F_HASH_SEED, F_REQUEST_ID, F_HANDOFF, F_OUTPUT, NFIELDS
 };
 
 static const char *const field_names[NFIELDS] = {
-    "tokens", "num_prompt_tokens", "max_tokens", "min_tokens", "rng_state", "stop_token_ids",
+    "prompt", "num_prompt_tokens", "max_tokens", "min_tokens", "rng_state", "stop_token_ids",
     "banned_token_ids", "pending_transfer", "reuse_prefix_cache", "status",
     "num_computed_tokens", "prefill_end", "num_cached_tokens", "ready_at", "num_preemptions",
     "finish_reason", "local_hashes", "block_hashes", "full_blocks", "unique_blocks",
-    "hash_seed", "request_id", "handoff",
+    "hash_seed", "request_id", "handoff", "output",
 };
 
 /* The Sequence class's slot offsets (learned from it at the first call, ``ensure_ready``). */
@@ -191,6 +191,16 @@ len_of(PyObject *seq, int f)
     Py_ssize_t n = PyList_CheckExact(v) ? PyList_GET_SIZE(v) : PyObject_Length(v);
     Py_DECREF(v);
     return n;
+}
+
+/* Sequence.num_tokens: the prompt's tokens and the sampled ones, or -1 with an exception. */
+static Py_ssize_t
+num_tokens(PyObject *seq)
+{
+    Py_ssize_t prompt, output = len_of(seq, F_OUTPUT);
+    if (output < 0 || get_ssize(seq, F_NUM_PROMPT_TOKENS, &prompt) < 0)
+        return -1;
+    return prompt + output;
 }
 
 /* Whether the sequence's status is ``status`` (identity, as ``is``): 1, 0, -1. */
@@ -388,7 +398,7 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         Py_ssize_t n, computed;
         if (batch_at(b, i, &seq, &n) < 0)
             goto fail;
-        Py_ssize_t position = len_of(seq, F_TOKENS);
+        Py_ssize_t position = num_tokens(seq);
         if (position < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
             goto fail;
         if (computed + n < position) {
@@ -530,7 +540,7 @@ extend_field(PyObject *seq, int f, PyObject *items)
 static int
 grow(PyObject *kv, PyObject *seq, Py_ssize_t bs)
 {
-    Py_ssize_t ntok = len_of(seq, F_TOKENS), nfull = len_of(seq, F_FULL_BLOCKS);
+    Py_ssize_t ntok = num_tokens(seq), nfull = len_of(seq, F_FULL_BLOCKS);
     Py_ssize_t nuniq = len_of(seq, F_UNIQUE_BLOCKS);
     if (ntok < 0 || nfull < 0 || nuniq < 0)
         return -1;
@@ -718,7 +728,7 @@ preempt(Pass *ps, Py_ssize_t index, PyObject *victim)
 static int
 schedule_rest(Pass *ps, PyObject *seq)
 {
-    Py_ssize_t ntok = len_of(seq, F_TOKENS), computed;
+    Py_ssize_t ntok = num_tokens(seq), computed;
     if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
         return -1;
     Py_ssize_t n = ntok - computed;
@@ -753,7 +763,7 @@ plan_one(Pass *ps, PyObject *seq, Py_ssize_t *i)
             return -1;
     }
     (*i)++;
-    Py_ssize_t ntok = len_of(seq, F_TOKENS), computed, prefill_end;
+    Py_ssize_t ntok = num_tokens(seq), computed, prefill_end;
     if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
         get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
         return -1;
@@ -799,7 +809,7 @@ plan_one(Pass *ps, PyObject *seq, Py_ssize_t *i)
 static int
 allocate(Pass *ps, PyObject *seq)
 {
-    Py_ssize_t bs = ps->bs, ntok = len_of(seq, F_TOKENS), computed;
+    Py_ssize_t bs = ps->bs, ntok = num_tokens(seq), computed;
     if (ntok < 0)
         return -1;
     int pending = get_bool(seq, F_PENDING_TRANSFER);
@@ -1123,7 +1133,7 @@ schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
             get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
             goto fail;
         if (computed >= prefill_end) {
-            Py_ssize_t ntok = len_of(seq, F_TOKENS);
+            Py_ssize_t ntok = num_tokens(seq);
             if (ntok < 0)
                 goto fail;
             decodes++;
@@ -1198,25 +1208,40 @@ put_u64_le(unsigned char *p, uint64_t v)
         p[k] = (unsigned char)(v >> (8 * k));
 }
 
-/* Sequence.append_token: append, and hash the block the token completes (if it does). */
+/* Sequence.append_token: append to ``output`` (the sequence's, after a prompt of ``nprompt``
+ * ids), and hash the block the token completes (if it does: its ids are read from the output,
+ * and from the prompt where the block starts in it). */
 static int
-append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_size)
+append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *token,
+             Py_ssize_t block_size)
 {
-    if (PyList_Append(tokens, token) < 0)
+    if (PyList_Append(output, token) < 0)
         return -1;
-    Py_ssize_t len = PyList_GET_SIZE(tokens);
+    Py_ssize_t len = nprompt + PyList_GET_SIZE(output), start = len - block_size;
     if (len % block_size != 0)
         return 0;
     int rc = -1;
     PyObject *seed = NULL, *local = NULL, *locals = NULL, *chain = NULL, *next = NULL;
-    unsigned char *buf = PyMem_Malloc((size_t)block_size * 4);
-    if (buf == NULL) {
+    PyObject *prompt = NULL;
+    unsigned char *buf = NULL;
+    if (start < nprompt) {
+        if ((prompt = get(seq, F_PROMPT)) == NULL)
+            return -1;
+        if (!PyList_Check(prompt) || PyList_GET_SIZE(prompt) < nprompt) {
+            PyErr_SetString(PyExc_TypeError, "prompt must be a list of num_prompt_tokens ids");
+            goto done;
+        }
+    }
+    if ((buf = PyMem_Malloc((size_t)block_size * 4)) == NULL) {
         PyErr_NoMemory();
-        return -1;
+        goto done;
     }
     for (Py_ssize_t k = 0; k < block_size; k++) {
+        Py_ssize_t at = start + k;
+        PyObject *id = at < nprompt ? PyList_GET_ITEM(prompt, at)
+                                    : PyList_GET_ITEM(output, at - nprompt);
         /* array('I', ...) semantics: an id outside [0, 2**32) is an OverflowError */
-        unsigned long t = PyLong_AsUnsignedLong(PyList_GET_ITEM(tokens, len - block_size + k));
+        unsigned long t = PyLong_AsUnsignedLong(id);
         if (t == (unsigned long)-1 && PyErr_Occurred())
             goto done;
         if (t > 0xFFFFFFFFUL) {
@@ -1259,6 +1284,7 @@ append_token(PyObject *seq, PyObject *tokens, PyObject *token, Py_ssize_t block_
     rc = PyList_Append(chain, next);
 done:
     PyMem_Free(buf);
+    Py_XDECREF(prompt);
     Py_XDECREF(seed);
     Py_XDECREF(local);
     Py_XDECREF(locals);
@@ -1269,14 +1295,14 @@ done:
 
 /* Sequence.finish_after: the reason (borrowed: length or stop) or NULL to go on; -1 on error. */
 static int
-finish_reason(PyObject *seq, Py_ssize_t num_tokens, PyObject *token, PyObject **reason)
+finish_reason(PyObject *seq, Py_ssize_t ntok, PyObject *token, PyObject **reason)
 {
     Py_ssize_t prompt, max_tokens, min_tokens;
     *reason = NULL;
     if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &prompt) < 0 ||
         get_ssize(seq, F_MAX_TOKENS, &max_tokens) < 0)
         return -1;
-    Py_ssize_t n = num_tokens - prompt;
+    Py_ssize_t n = ntok - prompt;
     if (n >= max_tokens) {
         *reason = fr_length;
         return 0;
@@ -1326,20 +1352,23 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
                 return -1;
         }
     }
-    PyObject *tokens = get(seq, F_TOKENS);
-    if (tokens == NULL)
+    Py_ssize_t nprompt;
+    if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &nprompt) < 0)
         return -1;
-    if (!PyList_Check(tokens)) {
-        Py_DECREF(tokens);
-        PyErr_SetString(PyExc_TypeError, "tokens must be a list");
+    PyObject *output = get(seq, F_OUTPUT);
+    if (output == NULL)
+        return -1;
+    if (!PyList_Check(output)) {
+        Py_DECREF(output);
+        PyErr_SetString(PyExc_TypeError, "output must be a list");
         return -1;
     }
-    if (computed < PyList_GET_SIZE(tokens)) {
-        Py_DECREF(tokens);
+    if (computed < nprompt + PyList_GET_SIZE(output)) {
+        Py_DECREF(output);
         return 0; /* a prefill chunk that has not reached the end */
     }
     if (token == Py_None) {
-        Py_DECREF(tokens);
+        Py_DECREF(output);
         PyObject *rid = get(seq, F_REQUEST_ID);
         if (rid != NULL) {
             PyErr_Format(PyExc_ValueError, "no token sampled for %R", rid);
@@ -1347,9 +1376,9 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
         }
         return -1;
     }
-    int rc = append_token(seq, tokens, token, bs);
-    Py_ssize_t num_tokens = PyList_GET_SIZE(tokens);
-    Py_DECREF(tokens);
+    int rc = append_token(seq, output, nprompt, token, bs);
+    Py_ssize_t ntok = nprompt + PyList_GET_SIZE(output);
+    Py_DECREF(output);
     if (rc < 0)
         return -1;
     PyObject *items[2] = {seq, token}, *reason;
@@ -1358,7 +1387,7 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
         return -1;
     rc = PyList_Append(tokens_out, pair);
     Py_DECREF(pair);
-    if (rc < 0 || finish_reason(seq, num_tokens, token, &reason) < 0)
+    if (rc < 0 || finish_reason(seq, ntok, token, &reason) < 0)
         return -1;
     if (reason != NULL) {
         if (put(seq, F_FINISH_REASON, reason) < 0 || put(seq, F_STATUS, st_finished) < 0 ||

@@ -28,7 +28,7 @@ def sample_tokens(
     out: list[int | None] = []
     append = out.append
     for seq, n in entries:
-        position = len(seq.tokens)
+        position = seq.num_tokens
         if seq.num_computed_tokens + n < position:
             append(None)
             continue
@@ -69,7 +69,7 @@ def schedule_pass(
                 continue  # its KV transfer has not landed yet
             seq.pending_transfer = False
         i += 1
-        if seq.num_computed_tokens >= seq.prefill_end and len(seq.tokens) > bs * (
+        if seq.num_computed_tokens >= seq.prefill_end and seq.num_tokens > bs * (
             len(seq.full_blocks) + len(seq.unique_blocks)
         ):  # a decode whose token starts a new block: grow it, preempting if it must
             while not _grow(kv, seq, bs):
@@ -84,7 +84,7 @@ def schedule_pass(
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-        n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         scheduled[id(seq)] = (seq, n)
         budget -= n
     if not preempted:
@@ -94,7 +94,7 @@ def schedule_pass(
     for seq, n in entries:
         if seq.num_computed_tokens >= seq.prefill_end:
             decodes += 1
-            context += len(seq.tokens)
+            context += seq.num_tokens
         else:
             prefill_tokens += n
     return entries, preempted, prefill_tokens, decodes, context
@@ -121,7 +121,7 @@ def _admit_waiting(
             if seq.ready_at > now:
                 continue
             seq.pending_transfer = False
-        n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         scheduled[id(seq)] = (seq, n)
         budget -= n
 
@@ -129,7 +129,7 @@ def _admit_waiting(
 def _allocate(kv: KVManager, config: SchedulerLimits, seq: Sequence, budget: int) -> bool:
     """Admit ``seq``: find its cached prefix and take blocks for all its tokens (FACTS §6.2:
     the whole prompt at the first chunk). False (nothing changed) if it cannot start now."""
-    bs, n_tokens = config.block_size, len(seq.tokens)
+    bs, n_tokens = config.block_size, seq.num_tokens
     if seq.pending_transfer:
         computed = n_tokens - 1  # KV arrives from the prefill worker; recompute the last one
     else:
@@ -173,7 +173,7 @@ def _allocate(kv: KVManager, config: SchedulerLimits, seq: Sequence, budget: int
 
 def _grow(kv: KVManager, seq: Sequence, bs: int) -> bool:
     """Make room for the token a decode computes (a new tail block at a block boundary)."""
-    missing = -(-len(seq.tokens) // bs) - len(seq.full_blocks) - len(seq.unique_blocks)
+    missing = -(-seq.num_tokens // bs) - len(seq.full_blocks) - len(seq.unique_blocks)
     if missing <= 0:
         return True
     ids = kv.allocate_unique(missing)
@@ -262,7 +262,7 @@ def _update(
         computed = seq.num_computed_tokens = seq.num_computed_tokens + n
         if caching and seq.unique_blocks and computed >= (len(seq.full_blocks) + 1) * bs:
             _promote_filled(kv, seq, bs)
-        if computed < len(seq.tokens):
+        if computed < seq.num_tokens:
             continue  # a prefill chunk that has not reached the end
         if token is None:
             raise ValueError(f"no token sampled for {seq.request_id!r}")

@@ -45,10 +45,14 @@ class SequenceStatus(Enum):
 class Sequence:
     """One request inside one DP rank's scheduler. Mutated only by that scheduler.
 
-    Block layout (``B`` = block size)::
+    Block layout (``B`` = block size; the tokens are ``prompt`` then ``output``)::
 
         tokens:  | block 0 | block 1 | ... | block k-1 | tail (< B tokens) |
         held:    | full_blocks (sequence hashes, shared) | unique_blocks   |
+
+    ``prompt`` is the caller's list, kept as handed in and never changed (a prompt of 1,152
+    ids is not copied per request, nor freed and traversed twice); the sampled ids go to
+    ``output``.
 
     ``full_blocks`` are complete, hashed blocks (shareable via the prefix cache); ``unique_blocks``
     are this sequence's private blocks: the growing tail, or every block when prefix caching is
@@ -57,7 +61,9 @@ class Sequence:
     """
 
     request_id: str
-    tokens: list[int]
+    prompt: list[int]
+    """The prompt's ids: the caller's list, read and never changed (``len`` is
+    ``num_prompt_tokens``)."""
     num_prompt_tokens: int
     max_tokens: int
     min_tokens: int
@@ -85,6 +91,8 @@ class Sequence:
     """Earliest time the sequence may run (a decode-side KV transfer lands then)."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    output: list[int] = field(default_factory=list)
+    """The sampled ids, in order."""
     local_hashes: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     full_blocks: list[int] = field(default_factory=list)
@@ -94,19 +102,29 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.hash_seed = block_seed(self.lora_name)
-        if len(self.local_hashes) != len(self.tokens) // self.block_size:  # not handed in
+        if len(self.local_hashes) != self.num_tokens // self.block_size:  # not handed in
             self.local_hashes = local_block_hashes(
-                self.tokens, self.block_size, lora_name=self.lora_name
+                self.tokens(0, self.num_tokens), self.block_size, lora_name=self.lora_name
             )
             self.block_hashes = sequence_hashes(self.local_hashes)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return self.num_prompt_tokens + len(self.output)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
+        return len(self.output)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """The ids at positions ``start`` to ``end`` (a new list; ``0 <= start <= end <=
+        num_tokens``), across the prompt and the output."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
 
     @property
     def num_held_blocks(self) -> int:
@@ -119,19 +137,18 @@ class Sequence:
 
     def append_token(self, token: int) -> None:
         """Add a sampled token; hash the block it completes (if any)."""
-        tokens = self.tokens
-        tokens.append(token)
+        self.output.append(token)
         bs = self.block_size
-        n = len(tokens)
+        n = self.num_prompt_tokens + len(self.output)
         if n % bs == 0:  # per token on the hot path: only a completed block costs more
-            local = block_hash(tokens[n - bs :], self.hash_seed)
+            local = block_hash(self.tokens(n - bs, n), self.hash_seed)
             chain = self.block_hashes
             self.local_hashes.append(local)
             chain.append(next_sequence_hash(chain[-1], local) if chain else local)
 
     def finish_after(self, token: int) -> FinishReason | None:
         """The finish reason once ``token`` has been appended, or None to keep going."""
-        n = len(self.tokens) - self.num_prompt_tokens  # num_output_tokens, on the hot path
+        n = len(self.output)  # num_output_tokens
         if n >= self.max_tokens:
             return FinishReason.LENGTH
         if n >= self.min_tokens and token in self.stop_token_ids:
@@ -167,7 +184,9 @@ def sequence_from_request(
     handoff (``prefill_result``) and receives the prompt's KV instead of computing it. Output
     ids are seeded by ``sampling.seed``, else by ``seed_id`` (default: ``request_id``).
     ``hashes``: the prompt's (local, sequence) block hashes when the caller has them already
-    (the offline replay hashes once for the router and the engine); the lists are copied.
+    (the offline replay hashes once for the router and the engine); the lists are handed over
+    (the sequence appends its output's blocks to them), and the prompt is kept, not copied:
+    the caller changes neither afterwards.
     """
     stop = request.stop
     return new_sequence(
@@ -212,7 +231,8 @@ def new_sequence(
 ) -> Sequence:
     """:func:`sequence_from_request` from the request's fields (the same checks and result),
     for a caller that holds them without a ``PreprocessedRequest`` (the offline replay builds
-    one sequence per simulated request). ``token_ids`` is copied."""
+    one sequence per simulated request). ``token_ids`` becomes the sequence's ``prompt`` (kept,
+    never changed: the caller must not change it either); ``hashes`` are handed over."""
     isl = len(token_ids)
     if isl == 0:
         raise InvalidArgument("the prompt is empty")
@@ -247,9 +267,9 @@ def new_sequence(
     if config.disaggregation_mode != "decode":
         handoff = None
     bs = config.block_size
-    local = list(hashes[0]) if hashes is not None else []
-    chained = list(hashes[1]) if hashes is not None else []
-    if len(local) != isl // bs:  # not handed in: hashed as Sequence.__post_init__ does
+    if hashes is not None and len(hashes[0]) == isl // bs:
+        local, chained = hashes  # handed over: the output's blocks are appended to them
+    else:  # not handed in: hashed as Sequence.__post_init__ does
         local = local_block_hashes(token_ids, bs, lora_name=lora_name)
         chained = sequence_hashes(local)
     # Sequence(...) without its __init__ and __post_init__ (_sequence.pyi): every field in
@@ -258,7 +278,7 @@ def new_sequence(
         Sequence,
         (
             request_id,
-            list(token_ids),
+            token_ids if type(token_ids) is list else list(token_ids),  # prompt
             isl,
             max_tokens,
             min_tokens,
@@ -278,6 +298,7 @@ def new_sequence(
             0.0,  # ready_at
             0,  # num_preemptions
             None,  # finish_reason
+            [],  # output
             local,
             chained,
             [],  # full_blocks

@@ -351,7 +351,7 @@ class MockerEngine(LLMEngine):
         # Per token of the batch (~64 a pass at c=64): no calls beyond the needed ones (the
         # property ``num_output_tokens`` and ``_Collector.wake`` inlined).
         for seq, token in out.tokens:
-            if len(seq.tokens) == seq.num_prompt_tokens + 1:  # first token: count its cache hit
+            if len(seq.output) == 1:  # first token: count its cache hit
                 rank.hit_rate.observe(seq.num_prompt_tokens, seq.num_cached_tokens or 0)
                 if trace_first:
                     pass_log.first_token(seq, out, self.clock.now())

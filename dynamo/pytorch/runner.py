@@ -65,8 +65,8 @@ class ModelRunner:
             rows.append(
                 SampleRow(
                     samplers[seq.request_id],
-                    seq.tokens[: seq.num_prompt_tokens],
-                    seq.tokens[seq.num_prompt_tokens :],
+                    seq.prompt,  # read only, as the sequence's own lists
+                    seq.output,
                 )
             )
         out: list[Sampled | None] = [None] * len(batch.entries)
@@ -94,7 +94,7 @@ class ModelRunner:
             start, row = seq.num_computed_tokens, len(ids)
             end = start + n
             table = kv.block_table(seq.full_blocks, seq.unique_blocks)
-            ids.extend(seq.tokens[start:end])
+            ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
             # Positions inside full (shared, already computed) blocks keep their cached K/V:
             # only the recomputed last token of a fully cached prompt falls there.
@@ -117,7 +117,7 @@ class ModelRunner:
             if acc is not None:  # rows whose next token is a prompt token not yet scored
                 for p in range(max(start, len(acc) - 1), min(end, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(row + p - start)
-                    prompt_targets.append((seq.request_id, seq.tokens[p + 1]))
+                    prompt_targets.append((seq.request_id, seq.prompt[p + 1]))
         dev = self.device
         all_written = len(write_rows) == len(ids)
         meta = AttentionMetadata(

@@ -61,6 +61,14 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ROUTER_MODES,
         help="how the frontend picks a worker",
     )
+    add_flag(
+        g,
+        "--frontend-ms",
+        default=0.0,
+        type=float,
+        help="the frontend's own time a request in ms: the router sees requests one after "
+        "another at this pace (0: at once)",
+    )
     KVRouterSettings.add_arguments(parser)
     DisaggSettings.add_arguments(parser)
     MockerConfig.add_arguments(parser)
@@ -119,6 +127,7 @@ def deployment(args: argparse.Namespace) -> Deployment:
         router_mode=args.router_mode,
         kv=KVRouterSettings.from_args(args),
         engine=MockerConfig.from_args(args),
+        frontend_ms=args.frontend_ms,
     )
 
 

@@ -39,10 +39,18 @@ class Deployment:
     """Seeds the routers' random choices (tie-breaks between equal-cost workers, the random
     router); None: the workload's ``--seed``. Replaying one workload under several router seeds
     shows how much of a figure is tie-break luck."""
+    frontend_ms: float = 0.0
+    """The frontend's own time a request (parsing, hashing, routing), in simulated ms: the
+    router sees the requests one after another at this pace, in send order, so a burst of
+    sends reaches it spread out, as it reaches a live frontend's one event loop (a live stack
+    then routes the burst's later requests with the earlier ones' KV events already in the
+    index). 0: the router sees each request the instant it is sent."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("--workers must be at least 1")
+        if not 0 <= self.frontend_ms < float("inf"):
+            raise ValueError("--frontend-ms must be a finite number >= 0")
         if self.prefill_workers < 0:
             raise ValueError("--prefill-workers must be >= 0")
         if self.router_mode not in ROUTER_MODES:
@@ -90,6 +98,8 @@ class Deployment:
         }
         if self.router_seed is not None:
             out["router_seed"] = self.router_seed
+        if self.frontend_ms:
+            out["frontend_ms"] = self.frontend_ms
         if self.router_mode == "kv":
             out["kv_router"] = dataclasses.asdict(self.kv)
         return out

@@ -38,7 +38,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from typing import Any
 
 from dynamo import native
 from dynamo.bench.request import RequestRecord, RequestSpec
@@ -50,7 +50,8 @@ from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
-from dynamo.replay.flight import Flight
+from dynamo.replay.flight import Flight, SimulationResult
+from dynamo.replay.frontend_model import FrontendModel, wake_or_arrive
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
     BUSY,
@@ -64,26 +65,13 @@ from dynamo.replay.pools import (
 from dynamo.router.hashing import SharedPrefixHasher
 from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
+from dynamo.runtime.heap import collector_paused
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
 # every ended flight's prompt and spec (never read or changed): no objects kept per request
 _ENDED, _ENDED_SPEC = list[int](), RequestSpec(max_tokens=0, expected_prompt_tokens=0)
 _native_loop = native.load_optional("dynamo.replay._loop")
 """The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
-
-
-@dataclass(slots=True)
-class SimulationResult:
-    """``flights``: the measured requests, their times from the measured phase's start (after
-    the warm-up: ``warmup_s`` of simulated time, whose requests are not reported)."""
-
-    flights: list[Flight]
-    simulated_s: float
-    wall_s: float
-    passes: int
-    events: int = 0
-    per_rank_passes: dict[str, int] = field(default_factory=dict)
-    warmup_s: float = 0.0
 
 
 class Simulation:
@@ -138,6 +126,7 @@ class Simulation:
         )
         self._hash_size = self.decode_pool.config.block_size
         self._hasher = SharedPrefixHasher(self._hash_size)  # a prefix group's blocks: hashed once
+        self._frontend = FrontendModel(deployment.frontend_ms) if deployment.frontend_ms else None
 
     def _clock(self) -> float:
         return self.now
@@ -150,6 +139,13 @@ class Simulation:
         self._events_queue.push(when, _SEND, next(self._counter), runner)
 
     def run(self) -> SimulationResult:
+        """Both phases to their end. The collector is paused meanwhile (the run makes no cyclic
+        garbage, ``tests/unit/replay/test_replay_garbage.py``), and the flights are handed to
+        the result: the simulation keeps none, so no reference cycle runs through them."""
+        with collector_paused():
+            return self._run()
+
+    def _run(self) -> SimulationResult:
         started = time.perf_counter()
         events = 0
         origin = 0.0
@@ -167,8 +163,9 @@ class Simulation:
         ranks = [*self.decode_pool.ranks.values()]
         if self.prefill_pool is not None:
             ranks += self.prefill_pool.ranks.values()
+        flights, self.flights = self.flights, []
         return SimulationResult(
-            flights=self.flights,
+            flights=flights,
             simulated_s=self.now - origin,
             wall_s=time.perf_counter() - started,
             passes=sum(r.passes for r in ranks),
@@ -184,13 +181,16 @@ class Simulation:
             sessions,
             clock=self._clock,
             schedule=self._schedule_send,
-            send=lambda spec, runner: self._send(spec, runner, gen),
+            send=self._send,
             origin=origin,
         )
         gen.start()
         queue, timeouts = self._events_queue, self._timeouts
         pop, next_when = queue.pop, queue.next_when
-        pass_end, pass_start, wake = self._pass_end, self._pass_start, gen.wake
+        pass_end, pass_start = self._pass_end, self._pass_start
+        wake: Callable[[Any], None] = gen.wake
+        if self._frontend is not None:  # a send's event may be a flight reaching the router
+            wake = wake_or_arrive(gen.wake, self._arrive)
         self._events = 0
         if _native_loop is not None:  # this loop in C (replay/_loop.c), to the phase's end:
             self._events = _native_loop.run(self, queue, timeouts, self._counter, wake, deliver)
@@ -238,6 +238,15 @@ class Simulation:
         self._by_id[flight.request_id] = flight
         if load.load.timeout_s is not None:
             self._timeouts.append((now + load.load.timeout_s, flight))
+        if self._frontend is not None:  # the frontend's own time first
+            at = self._frontend.reaches_router(now)
+            self._events_queue.push(at, _SEND, next(self._counter), flight)
+            return
+        self._arrive(flight)
+
+    def _arrive(self, flight: Flight) -> None:
+        """``flight`` reaches the router: hashed, then held (the router queue) or routed."""
+        spec, prompt = flight.spec, flight.tokens
         hashes = self._hasher.hashes(prompt, spec.group if spec.group >= 0 else None)
         pool = self.decode_pool
         if pool.queue is not None and (len(pool.queue) or pool.core_saturated()):
@@ -250,7 +259,7 @@ class Simulation:
         try:
             rank, chosen = self.decode_pool.route(flight.request_id, prompt, *hashes)
             flight.routing = chosen
-            if self._remote(flight, chosen):
+            if self.prefill_pool is not None and self._remote(flight, chosen):
                 assert self.prefill_pool is not None
                 flight.decode_rank = rank
                 rank, pre = self.prefill_pool.route(flight.request_id, prompt, *hashes)
@@ -445,7 +454,7 @@ class Simulation:
             # a StrEnum's str is its value (``.value`` is a Python-level enum property: 0.3 µs)
             record.finish_reason = "length" if reason is None else str(reason)
             if self._decode_text is not None:
-                record.text = self._decode_text(seq.tokens[seq.num_prompt_tokens :])
+                record.text = self._decode_text(seq.output)
             self._finish(flight)
 
     def _to_decode(self, flight: Flight, seq: Sequence, prefill_rank: Rank) -> None:

@@ -109,7 +109,8 @@ class SharedPrefixHasher:
     ``prompt_hashes``'s), so a group's common prefix is hashed once, not per request.
 
     The last prompt of each key is kept to compare with: the caller must not change a prompt
-    after handing it in (the replay's prompts are never changed: engines copy them)."""
+    after handing it in (the replay's prompts are never changed: an engine sequence keeps its
+    prompt and never changes it)."""
 
     def __init__(self, block_size: int, *, lora_name: str | None = None) -> None:
         self.block_size = block_size

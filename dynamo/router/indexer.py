@@ -4,10 +4,11 @@ events per (worker, dp_rank), tracks event ids, detects gaps and ingests recover
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from dynamo import native
 from dynamo.protocol.kv_events import (
     BlocksRemoved,
     BlocksStored,
@@ -17,9 +18,13 @@ from dynamo.protocol.kv_events import (
     KVRecoveryRequest,
     KVRecoveryResponse,
 )
-from dynamo.protocol.kv_raw import decode, header
+from dynamo.protocol.kv_raw import decode
 from dynamo.router.radix_tree import RadixTree
 from dynamo.router.slots import SlotMap, WorkerKey
+
+_applier = native.load("dynamo.router._apply_raw", "dynamo.router._apply_raw_fallback")
+APPLY_RAW_IMPLEMENTATION: str = _applier.__name__
+"""The in-order raw apply in use (``dynamo.router._apply_raw`` or its ``_fallback``)."""
 
 
 class EventStatus(StrEnum):
@@ -61,10 +66,22 @@ class KVIndexer:
             raise ValueError("recovery_buffer_limit must be >= 0")
         self._tree = RadixTree()
         self._slots = SlotMap()
+        self._key_of = self._slots.key_list()  # slot -> key, live (the map's own list)
         self._ranks: dict[WorkerKey, _Rank] = {}
         self._buffer_limit = recovery_buffer_limit
         self.counters: dict[EventStatus, int] = dict.fromkeys(EventStatus, 0)
         """Events seen by status (metrics: kv_cache_events_applied{status})."""
+        # apply_raw's common buffer in one native call (it holds the ranks, tree and counters)
+        self.apply_in_order: Callable[[int, bytes], bool] = _applier.InOrderApplier(
+            self._ranks,
+            self._tree,
+            self.counters,
+            EventStatus.OK,
+            EventStatus.PARENT_BLOCK_NOT_FOUND,
+            EventStatus.BLOCK_NOT_FOUND,
+        ).apply
+        """``apply_in_order(worker_id, raw)``: :meth:`apply_raw` of a buffer that is its rank's
+        next one (True), or nothing changed (False: :meth:`apply_raw` decodes it)."""
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -110,22 +127,11 @@ class KVIndexer:
         """:meth:`apply_events` of a raw buffer (``dynamo.protocol.kv_raw``: one rank's
         consecutive events, the offline replay's pass), with the same statuses, counters and
         result. When its first id is the rank's next one and the rank is not recovering, the
-        tree applies it in one call (``RadixTree.apply_raw``); otherwise it is decoded."""
-        if not raw:
+        tree applies it in one call, decided and counted by ``_apply_raw.InOrderApplier``;
+        otherwise it is decoded."""
+        if self.apply_in_order(worker_id, raw):
             return []
-        dp_rank, first, count = header(raw)
-        key = (worker_id, dp_rank)
-        st = self._ranks.get(key)
-        last = None if st is None else st.last_id
-        if st is None or st.recovering or last is None or first != last + 1:
-            return self.apply_events(worker_id, decode(raw))
-        ok, parent, block = self._tree.apply_raw(st.slot, raw)
-        st.last_id = first + count - 1
-        counters = self.counters
-        counters[EventStatus.OK] += ok
-        counters[EventStatus.PARENT_BLOCK_NOT_FOUND] += parent
-        counters[EventStatus.BLOCK_NOT_FOUND] += block
-        return []
+        return self.apply_events(worker_id, decode(raw))
 
     def apply_data(self, worker_id: int, dp_rank: int, data: KVCacheEventData) -> EventStatus:
         """Apply event data without event-id tracking (tests, approximate feeds)."""
@@ -194,7 +200,7 @@ class KVIndexer:
     def slot_matches(self, local_hashes: Sequence[int]) -> tuple[dict[int, int], list[WorkerKey]]:
         """:meth:`find_matches` before re-keying: slot -> leading blocks, and the live slot ->
         (worker_id, dp_rank) list to read the slots with (valid until the membership changes)."""
-        return self._tree.find_matches(local_hashes), self._slots.key_list()
+        return self._tree.find_matches(local_hashes), self._key_of
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget every rank of a worker (it left discovery): blocks, ids, recovery state."""

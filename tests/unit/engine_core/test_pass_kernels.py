@@ -73,7 +73,8 @@ def make(i: int, rng: random.Random) -> Sequence:
 
 def fields(seq: Sequence) -> tuple[Any, ...]:
     return (
-        list(seq.tokens),
+        list(seq.prompt),
+        list(seq.output),
         list(seq.local_hashes),
         list(seq.block_hashes),
         seq.num_computed_tokens,
@@ -111,7 +112,7 @@ def test_sample_tokens_depends_only_on_seed_and_position(native: ModuleType) -> 
     b.num_computed_tokens = a.num_computed_tokens = a.num_tokens - 1
     first = native.sample_tokens([(a, 1)], 1000, frozenset())
     assert native.sample_tokens([(b, 1)], 1000, frozenset()) == first
-    b.tokens.append(5)
+    b.output.append(5)
     b.num_computed_tokens += 1
     assert native.sample_tokens([(b, 1)], 1000, frozenset()) != first  # the next position
 
@@ -145,7 +146,8 @@ class Transfers(Scheduler):
 def seq_fields(seq: Sequence) -> tuple[Any, ...]:
     return (
         seq.request_id,
-        list(seq.tokens),
+        list(seq.prompt),
+        list(seq.output),
         list(seq.local_hashes),
         list(seq.block_hashes),
         list(seq.full_blocks),
@@ -190,10 +192,13 @@ def drive(
     groups = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
     log: list[Any] = []
     seqs: list[Sequence] = []
+    prompts: list[list[int]] = []
     now = 0.0
     for step in range(60):
         for _ in range(rng.choice([0, 1, 1, 2])):
             prompt = rng.choice(groups) + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
+            if len(prompt) % 3 == 0:  # one list under many sequences: none may change it
+                prompt = groups[len(prompt) % 4]
             request = PreprocessedRequest(
                 model="m",
                 token_ids=prompt,
@@ -211,6 +216,8 @@ def drive(
                 seq.pending_transfer = True
             sched.enqueue(seq)
             seqs.append(seq)
+            prompts.append(list(prompt))
+            assert seq.prompt is prompt  # the request's list, kept
         if seqs and rng.random() < 0.08:
             log.append(("abort", sched.abort(rng.choice(seqs).request_id)))
         if fused:  # the mocker's one call
@@ -249,6 +256,7 @@ def drive(
         sched.check_invariants()
         now += rng.choice([0.0, 0.5, 1.0])
     log.append([seq_fields(s) for s in seqs])
+    assert all(s.prompt == copy for s, copy in zip(seqs, prompts, strict=True))  # never changed
     return log
 
 
@@ -322,8 +330,8 @@ def test_update_pass_hashes_completed_blocks_as_the_router_does(native: ModuleTy
         )
         batch = sched.schedule(0.0)
         module.update_pass(batch.entries, [41], sched._running, sched._requests, sched.kv, BS)  # noqa: SLF001
-        assert seq.tokens == [*range(7), 41]
-        assert seq.local_hashes == local_block_hashes(seq.tokens, BS)
+        assert seq.prompt == [*range(7)] and seq.output == [41]
+        assert seq.local_hashes == local_block_hashes([*range(7), 41], BS)
         assert seq.block_hashes == sequence_hashes(seq.local_hashes)
         assert seq.finish_reason is None
         assert FinishReason.LENGTH.value == "length"

@@ -43,7 +43,7 @@ def dataclass_built(cfg: Limits, tokens: list[int], rid: str, now: float, **kw: 
     hashes = kw["hashes"]
     return Sequence(
         request_id=rid,
-        tokens=list(tokens),
+        prompt=tokens,
         num_prompt_tokens=len(tokens),
         max_tokens=max_tokens,
         min_tokens=0 if cfg.disaggregation_mode == "prefill" else kw["min_tokens"],
@@ -56,14 +56,15 @@ def dataclass_built(cfg: Limits, tokens: list[int], rid: str, now: float, **kw: 
         handoff=handoff,
         pending_transfer=handoff is not None,
         reuse_prefix_cache=kw["reuse"],
-        local_hashes=list(hashes[0]) if hashes is not None else [],
-        block_hashes=list(hashes[1]) if hashes is not None else [],
+        local_hashes=hashes[0] if hashes is not None else [],
+        block_hashes=hashes[1] if hashes is not None else [],
     )
 
 
 def test_new_sequence_builds_what_the_dataclass_builds() -> None:
     rng = random.Random(5)
     handoff = DisaggregatedParams(prefill_worker_id=7, block_hashes=[1, 2])
+    lists: list[list[int]] = []  # every list a sequence appends to: none shared by two
     for case in range(300):
         bs = rng.choice([1, 4, 16])
         cfg = Limits(rng.choice(["agg", "agg", "prefill", "decode"]), bs)
@@ -103,11 +104,21 @@ def test_new_sequence_builds_what_the_dataclass_builds() -> None:
         for f in fields(Sequence):
             a, b = getattr(got, f.name), getattr(want, f.name)
             assert a == b and type(a) is type(b), f.name
-        for name in ("tokens", "local_hashes", "block_hashes", "full_blocks", "unique_blocks"):
+        for name in ("output", "full_blocks", "unique_blocks"):
             assert getattr(got, name) is not getattr(want, name)  # fresh lists, never shared
-        assert got.tokens is not tokens and got.local_hashes is not local
-        if hashes is not None:
-            assert got.local_hashes is not hashes[0] and got.block_hashes is not hashes[1]
+        assert got.prompt is tokens  # kept, not copied (the sequence never changes it)
+        if hashes is not None and len(hashes[0]) == len(tokens) // bs:  # handed over
+            assert got.local_hashes is hashes[0] and got.block_hashes is hashes[1]
+        else:
+            assert got.local_hashes is not local
+        lists += [
+            got.output,
+            got.local_hashes,
+            got.block_hashes,
+            got.full_blocks,
+            got.unique_blocks,
+        ]
+    assert len({id(x) for x in lists}) == len(lists)
 
 
 @dataclass(slots=True)
