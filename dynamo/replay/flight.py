@@ -1,8 +1,10 @@
 """One request's way through the replay (``Flight``): what the simulator keeps per request,
-and what the report reads back (its bench record and its routing decision)."""
+and what the report reads back (its bench record and its routing decision); a run's result
+(``SimulationResult``: its flights and figures)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,3 +35,17 @@ class Flight(msgspec.Struct):
     done: bool = False
     held: Held[Flight] | None = None  # waiting in the router queue (--router-queue-threshold)
     hashes: tuple[list[int], list[int]] | None = None  # its prompt's hashes, while held
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """``flights``: the measured requests, their times from the measured phase's start (after
+    the warm-up: ``warmup_s`` of simulated time, whose requests are not reported)."""
+
+    flights: list[Flight]
+    simulated_s: float
+    wall_s: float
+    passes: int
+    events: int = 0
+    per_rank_passes: dict[str, int] = field(default_factory=dict)
+    warmup_s: float = 0.0

@@ -55,7 +55,9 @@ class Runner:
 Schedule = Callable[[float, "Runner | None"], None]
 """``schedule(when, runner)``: call ``LoadGenerator.wake(runner)`` at simulated ``when`` (ties
 in call order); ``runner`` None is the open loop's next arrival."""
-Send = Callable[[RequestSpec, Runner], None]
+Send = Callable[[RequestSpec, Runner, "LoadGenerator"], None]
+"""``send(spec, runner, generator)``: send ``runner``'s request now; ``generator`` (the phase
+sending it) hears of its end (``ended``). Passed, not closed over: no reference cycle."""
 
 
 class LoadGenerator:
@@ -178,4 +180,4 @@ class LoadGenerator:
 
     def _dispatch(self, spec: RequestSpec, runner: Runner) -> None:
         self.in_flight += 1
-        self._send(spec, runner)
+        self._send(spec, runner, self)

@@ -80,10 +80,9 @@ class Pool:
         core = self.core
         if core is not None:
             chosen = core.route(request_id, local, len(tokens), seq_hashes=seqs)
-            out = RoutingRecord(
-                chosen.worker_id, chosen.dp_rank, chosen.overlap_blocks, chosen.cost
-            )
-            return self.ranks[(chosen.worker_id, chosen.dp_rank)], out
+            worker_id, dp_rank = chosen.worker_id, chosen.dp_rank
+            out = RoutingRecord(worker_id, dp_rank, chosen.overlap_blocks, chosen.cost)
+            return self.ranks[(worker_id, dp_rank)], out
         assert self.basic is not None
         request = PreprocessedRequest(model=MODEL, token_ids=tokens)
         selection = self.basic.select(request, self.cards)

@@ -26,10 +26,10 @@ from dynamo.bench.request import RequestRecord
 from dynamo.bench.workload import Session, SyntheticWorkload
 from dynamo.preprocess import ModelDir, demo_model_path, load_model_dir
 from dynamo.replay.deployment import Deployment
-from dynamo.replay.flight import Flight
+from dynamo.replay.flight import Flight, SimulationResult
 from dynamo.replay.load import LoadSpec
 from dynamo.replay.report import routing_rows, worker_summary, write_worker_plots
-from dynamo.replay.simulator import Simulation, SimulationResult
+from dynamo.replay.simulator import Simulation
 
 ROUTING_FILE = "routing.jsonl"
 _HUGE_CONTEXT = 1 << 30

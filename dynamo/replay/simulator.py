@@ -38,7 +38,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo import native
@@ -51,7 +50,7 @@ from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.replay.deliver import deliver
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
-from dynamo.replay.flight import Flight
+from dynamo.replay.flight import Flight, SimulationResult
 from dynamo.replay.frontend_model import FrontendModel, wake_or_arrive
 from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
 from dynamo.replay.pools import (
@@ -66,26 +65,13 @@ from dynamo.replay.pools import (
 from dynamo.router.hashing import SharedPrefixHasher
 from dynamo.router.queue import Held, QueueFull, QueuePolicy
 from dynamo.runtime.errors import DynamoError
+from dynamo.runtime.heap import collector_paused
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
 # every ended flight's prompt and spec (never read or changed): no objects kept per request
 _ENDED, _ENDED_SPEC = list[int](), RequestSpec(max_tokens=0, expected_prompt_tokens=0)
 _native_loop = native.load_optional("dynamo.replay._loop")
 """The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
-
-
-@dataclass(slots=True)
-class SimulationResult:
-    """``flights``: the measured requests, their times from the measured phase's start (after
-    the warm-up: ``warmup_s`` of simulated time, whose requests are not reported)."""
-
-    flights: list[Flight]
-    simulated_s: float
-    wall_s: float
-    passes: int
-    events: int = 0
-    per_rank_passes: dict[str, int] = field(default_factory=dict)
-    warmup_s: float = 0.0
 
 
 class Simulation:
@@ -153,6 +139,13 @@ class Simulation:
         self._events_queue.push(when, _SEND, next(self._counter), runner)
 
     def run(self) -> SimulationResult:
+        """Both phases to their end. The collector is paused meanwhile (the run makes no cyclic
+        garbage, ``tests/unit/replay/test_replay_garbage.py``), and the flights are handed to
+        the result: the simulation keeps none, so no reference cycle runs through them."""
+        with collector_paused():
+            return self._run()
+
+    def _run(self) -> SimulationResult:
         started = time.perf_counter()
         events = 0
         origin = 0.0
@@ -170,8 +163,9 @@ class Simulation:
         ranks = [*self.decode_pool.ranks.values()]
         if self.prefill_pool is not None:
             ranks += self.prefill_pool.ranks.values()
+        flights, self.flights = self.flights, []
         return SimulationResult(
-            flights=self.flights,
+            flights=flights,
             simulated_s=self.now - origin,
             wall_s=time.perf_counter() - started,
             passes=sum(r.passes for r in ranks),
@@ -187,7 +181,7 @@ class Simulation:
             sessions,
             clock=self._clock,
             schedule=self._schedule_send,
-            send=lambda spec, runner: self._send(spec, runner, gen),
+            send=self._send,
             origin=origin,
         )
         gen.start()
@@ -265,7 +259,7 @@ class Simulation:
         try:
             rank, chosen = self.decode_pool.route(flight.request_id, prompt, *hashes)
             flight.routing = chosen
-            if self._remote(flight, chosen):
+            if self.prefill_pool is not None and self._remote(flight, chosen):
                 assert self.prefill_pool is not None
                 flight.decode_rank = rank
                 rank, pre = self.prefill_pool.route(flight.request_id, prompt, *hashes)

@@ -131,11 +131,13 @@ class RoutingCore:
         """:meth:`apply_event` each of ``events`` in order, in one call (the offline replay's
         pass end). Gaps start recovery in the indexer as with one event at a time. ``bytes``:
         the events in their raw form (``dynamo.protocol.kv_raw``, ``KVIndexer.apply_raw``)."""
-        if self.indexer is not None:
-            if isinstance(events, bytes):
-                self.indexer.apply_raw(worker_id, events)
+        indexer = self.indexer
+        if indexer is not None:
+            if isinstance(events, bytes):  # the common buffer in one native call, else decoded
+                if not indexer.apply_in_order(worker_id, events):
+                    indexer.apply_raw(worker_id, events)
             else:
-                self.indexer.apply_events(worker_id, events)
+                indexer.apply_events(worker_id, events)
 
     # -- routing ---------------------------------------------------------------------------
     def route(
@@ -174,11 +176,10 @@ class RoutingCore:
             seqs = seq_hashes if isinstance(seq_hashes, list) else list(seq_hashes)
         if prefix_keys is None and self._kv_reuse:
             prefix_keys = prefix_key_bytes(seqs)
-        if self._one_call and targets is self._targets:  # the common request: one native call
-            chosen = self._choose(local_hashes, seqs, isl_tokens, overlaps, prefix_keys)
-            if record:
-                self.record(request_id, chosen, seqs, isl_tokens, local_hashes, prefix_keys)
-            return chosen
+        if self._one_call and targets is self._targets:  # the common request: one kernel call
+            return self._choose(
+                request_id, local_hashes, seqs, isl_tokens, overlaps, prefix_keys, record
+            )
         selector = self.selector
         if overlaps is None:
             overlaps = self.find_matches(local_hashes)
@@ -296,14 +297,17 @@ class RoutingCore:
 
     def _choose(
         self,
+        request_id: str,
         local_hashes: Sequence[int],
         seqs: list[int],
         isl_tokens: int,
         overlaps: dict[tuple[int, int], int] | None,
         prefix_keys: bytes | None,
+        record: bool,
     ) -> Selection:
         """:meth:`_select` over every target at temperature 0, in one call of the route kernel
-        (``_route.pyi``: the index's matches, the ranks' loads, the costs and the choice)."""
+        (``_route.pyi``: the index's matches, the ranks' loads, the costs and the choice), and
+        (``record``) :meth:`record` on the chosen rank as the kernel read it (no lookup)."""
         key_of: list[tuple[int, int]] | None = None
         matches: dict[Any, int]
         if overlaps is not None:  # the caller's find_matches (keyed by worker)
@@ -316,7 +320,8 @@ class RoutingCore:
             assert self.approx is not None
             matches = self.approx.find_matches(local_hashes)
         keys = self._target_keys
-        ranks, new, _ = self.sequences.rank_loads(seqs, keys, prefix_keys)
+        sequences = self.sequences
+        ranks, new, _ = sequences.rank_loads(seqs, keys, prefix_keys)
         bs = self.block_size
         i, overlap, costs = _choose(
             matches,
@@ -331,15 +336,23 @@ class RoutingCore:
             self.settings.track_active_blocks,
         )
         worker_id, dp_rank = keys[i]
-        return Selection(
-            worker_id=worker_id,
-            dp_rank=dp_rank,
-            cost=costs[i],
-            overlap_blocks=overlap,
-            cached_tokens=min(overlap * bs, max(isl_tokens, 0)),
-            scored=keys,
-            scores=costs,
+        chosen = Selection(
+            worker_id,
+            dp_rank,
+            costs[i],
+            overlap,
+            min(overlap * bs, max(isl_tokens, 0)),
+            keys,
+            costs,
         )
+        if (
+            record
+            and sequences.add_routed(request_id, ranks[i], seqs, isl_tokens, overlap, prefix_keys)
+            and self.approx is not None
+            and local_hashes
+        ):
+            self.approx.record(worker_id, dp_rank, local_hashes, seqs)
+        return chosen
 
     def _select(
         self,

@@ -4,7 +4,7 @@ events per (worker, dp_rank), tracks event ids, detects gaps and ingests recover
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -66,12 +66,13 @@ class KVIndexer:
             raise ValueError("recovery_buffer_limit must be >= 0")
         self._tree = RadixTree()
         self._slots = SlotMap()
+        self._key_of = self._slots.key_list()  # slot -> key, live (the map's own list)
         self._ranks: dict[WorkerKey, _Rank] = {}
         self._buffer_limit = recovery_buffer_limit
         self.counters: dict[EventStatus, int] = dict.fromkeys(EventStatus, 0)
         """Events seen by status (metrics: kv_cache_events_applied{status})."""
         # apply_raw's common buffer in one native call (it holds the ranks, tree and counters)
-        self._apply_in_order = _applier.InOrderApplier(
+        self.apply_in_order: Callable[[int, bytes], bool] = _applier.InOrderApplier(
             self._ranks,
             self._tree,
             self.counters,
@@ -79,6 +80,8 @@ class KVIndexer:
             EventStatus.PARENT_BLOCK_NOT_FOUND,
             EventStatus.BLOCK_NOT_FOUND,
         ).apply
+        """``apply_in_order(worker_id, raw)``: :meth:`apply_raw` of a buffer that is its rank's
+        next one (True), or nothing changed (False: :meth:`apply_raw` decodes it)."""
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class KVIndexer:
         result. When its first id is the rank's next one and the rank is not recovering, the
         tree applies it in one call, decided and counted by ``_apply_raw.InOrderApplier``;
         otherwise it is decoded."""
-        if self._apply_in_order(worker_id, raw):
+        if self.apply_in_order(worker_id, raw):
             return []
         return self.apply_events(worker_id, decode(raw))
 
@@ -197,7 +200,7 @@ class KVIndexer:
     def slot_matches(self, local_hashes: Sequence[int]) -> tuple[dict[int, int], list[WorkerKey]]:
         """:meth:`find_matches` before re-keying: slot -> leading blocks, and the live slot ->
         (worker_id, dp_rank) list to read the slots with (valid until the membership changes)."""
-        return self._tree.find_matches(local_hashes), self._slots.key_list()
+        return self._tree.find_matches(local_hashes), self._key_of
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget every rank of a worker (it left discovery): blocks, ids, recovery state."""

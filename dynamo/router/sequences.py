@@ -244,6 +244,23 @@ class ActiveSequences:
         rank = self._ranks.get((worker_id, dp_rank))
         if rank is None:
             raise UnknownWorkerRank(f"worker {worker_id} dp_rank {dp_rank} is not registered")
+        self.add_routed(
+            request_id, rank, sequence_hashes, new_isl_tokens, overlap_blocks, prefix_keys
+        )
+
+    def add_routed(
+        self,
+        request_id: str,
+        rank: _Rank,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int,
+        overlap_blocks: int,
+        prefix_keys: bytes | None,
+    ) -> bool:
+        """``add_request`` on a rank of :meth:`rank_loads` (the router's choice: no lookup);
+        False, changing nothing, if the id is already active."""
+        if request_id in self._requests:
+            return False
         now = self._clock()
         if now >= self._next_check:
             self.expire_stale(now)
@@ -262,6 +279,7 @@ class ActiveSequences:
         rank.num_requests += 1
         self._stale[rank.column] = rank
         self._requests[request_id] = _Request(rank, keys, private, prefill, now)
+        return True
 
     def mark_prefill_completed(self, request_id: str) -> bool:
         """The request's first token was seen: its prefill tokens leave; its blocks stay.

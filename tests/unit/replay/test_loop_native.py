@@ -176,9 +176,8 @@ def _refcounts_after_a_run(loop: ModuleType | None, monkeypatch: pytest.MonkeyPa
     deployment = with_model_vocabulary(deployment, model)
     sessions = build_workload(bench, builder).sessions()
     sim = simulator.Simulation(deployment, sessions, load_spec(bench))
-    sim.run()
+    flights = sim.run().flights
     ranks = list(sim.decode_pool.ranks.values())
-    flights = sim.flights
     return [
         sys.getrefcount(sim),
         sys.getrefcount(sim.now),

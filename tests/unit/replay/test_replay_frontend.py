@@ -63,8 +63,8 @@ def test_a_request_timing_out_at_the_frontend_frees_everything() -> None:
     engine = MockerConfig(num_gpu_blocks=512, block_size=16)
     deploy = with_model_vocabulary(Deployment(2, "kv", engine=engine, frontend_ms=80.0), model)
     sim = Simulation(deploy, build_workload(bench, builder).sessions(), load_spec(bench))
-    sim.run()
-    records = [f.record for f in sim.flights]
+    flights = sim.run().flights
+    records = [f.record for f in flights]
     assert sum(r.ok for r in records) == 2
     for r in records[2:]:
         assert r.error == "timeout" and r.e2e == pytest.approx(0.25)

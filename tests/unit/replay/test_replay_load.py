@@ -14,6 +14,7 @@ from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.__main__ import main
 from dynamo.replay.deployment import Deployment
+from dynamo.replay.flight import SimulationResult
 from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
 from dynamo.replay.simulator import Simulation
 
@@ -53,12 +54,11 @@ def test_warmup_requests_run_first_and_are_not_reported() -> None:
     assert [f.record.end for f in again.flights] == [f.record.end for f in warm.flights]
 
 
-def _simulate(bench: BenchConfig, deployment: Deployment) -> Simulation:
+def _simulate(bench: BenchConfig, deployment: Deployment) -> tuple[Simulation, SimulationResult]:
     model, builder = prompt_builder(None)
     deployment = with_model_vocabulary(deployment, model)
     sim = Simulation(deployment, build_workload(bench, builder).sessions(), load_spec(bench))
-    sim.run()
-    return sim
+    return sim, sim.run()
 
 
 @pytest.mark.parametrize(("prefill_workers", "isl"), [(0, 512), (1, 2048)])
@@ -72,8 +72,8 @@ def test_request_timeout_abandons_and_frees(prefill_workers: int, isl: int) -> N
     bench.request_timeout_s = timeout
     remote = DisaggSettings(max_local_prefill_length=0, max_prefill_queue_size=1000)
     deployment = Deployment(1, "kv", engine=ENGINE, prefill_workers=prefill_workers, disagg=remote)
-    sim = _simulate(bench, deployment)
-    records = [f.record for f in sim.flights]
+    sim, result = _simulate(bench, deployment)
+    records = [f.record for f in result.flights]
     timed_out = [r for r in records if r.error == "timeout"]
     assert len(records) == 60
     assert 0 < len(timed_out) < 60

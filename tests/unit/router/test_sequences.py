@@ -139,6 +139,20 @@ def test_errors_leave_state_unchanged() -> None:
     seqs.check_invariants()
 
 
+def test_add_routed_on_a_rank_of_rank_loads_is_add_request() -> None:
+    """The router's record on the rank its route read (no lookup): the same state as
+    ``add_request``; a duplicate id is refused (False) and changes nothing."""
+    seqs, ref = make(), make()
+    keys = [(7, 0), (7, 1)]
+    ranks, _, _ = seqs.rank_loads([1, 2], keys)
+    assert seqs.add_routed("a", ranks[1], [1, 2], 40, 1, None)
+    ref.add_request("a", 7, 1, [1, 2], new_isl_tokens=40, overlap_blocks=1)
+    assert not seqs.add_routed("a", ranks[0], [3], 5, 0, None)
+    assert [load(s, rank=r) for s in (seqs, ref) for r in (0, 1)] == [(0, 0, 0), (24, 2, 1)] * 2
+    assert seqs.worker_of("a") == (7, 1)
+    seqs.check_invariants()
+
+
 def test_arrival_order_and_worker_lookup() -> None:
     seqs = make()
     for rid in ("c", "a", "b"):
