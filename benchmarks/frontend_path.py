@@ -12,8 +12,13 @@ do not move: the script runs itself twice under ``valgrind --tool=cachegrind`` (
 and twice that) and divides the difference by ``--requests`` (start-up cancels out). About a
 minute and a half; valgrind must be installed. Use it to A/B a change of the frontend's code.
 
+``--tracing off|local|export`` (issue 17) runs it in that tracing mode (``export``: to an OTLP
+receiver in a process of its own); compare the modes with ``--instructions``, which counts the
+whole process (the export thread too), where the loop-thread CPU leaves the export thread out.
+
     .venv/bin/python -m benchmarks.frontend_path
     .venv/bin/python -m benchmarks.frontend_path --instructions
+    .venv/bin/python -m benchmarks.frontend_path --instructions --tracing export
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, str(REPO))
 import uvloop  # noqa: E402
 
 from benchmarks import cachegrind  # noqa: E402
+from benchmarks.launcher import TRACING_MODES, tracing_mode  # noqa: E402
 from dynamo.backend.engine import chunk, with_usage  # noqa: E402
 from dynamo.frontend.attempt import Timeouts  # noqa: E402
 from dynamo.frontend.offload import Offload  # noqa: E402
@@ -120,7 +126,19 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--instructions", action="store_true", help="count under valgrind")
+    parser.add_argument(
+        "--tracing",
+        choices=TRACING_MODES,
+        help="issue 17's tracing mode (default: the environment's settings)",
+    )
     args = parser.parse_args()
+    if args.tracing is None:
+        return run(args)
+    with tracing_mode(args.tracing):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.instructions:
         per = cachegrind.per_request(
             "benchmarks.frontend_path",
@@ -128,7 +146,8 @@ def main() -> int:
             ["--concurrency", str(args.concurrency), "--rounds", "1"],
         )
         c = args.concurrency
-        print(f"frontend request path, c={c}: {per / 1e6:.3f} M instructions a request")
+        mode = f", tracing {args.tracing}" if args.tracing else ""
+        print(f"frontend request path, c={c}{mode}: {per / 1e6:.3f} M instructions a request")
         return 0
     cpu = uvloop.run(measure(args.requests, args.concurrency, args.rounds))
     load = os.getloadavg()[0]

@@ -28,7 +28,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,3 +224,44 @@ class OtlpReceiverProcess:
     def __exit__(self, *exc: object) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+TRACING_MODES = ("off", "local", "export")
+
+
+def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
+    """The environment of issue 17's tracing ``mode``: ``off`` (``OTEL_SDK_DISABLED=true``: no
+    spans at all), ``local`` (the default: spans with ids, nothing recorded) or ``export``
+    (recorded and sent over OTLP http/protobuf to ``endpoint``)."""
+    if mode == "off":
+        return {"OTEL_SDK_DISABLED": "true"}
+    if mode == "local":
+        return {}
+    if mode == "export":
+        return {
+            "OTEL_EXPORT_ENABLED": "1",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+        }
+    raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
+
+
+@contextmanager
+def tracing_mode(mode: str) -> Iterator[None]:
+    """This process (and the children it starts) in tracing ``mode`` (:func:`tracing_env`),
+    set before anything sets tracing up. ``export`` starts an :class:`OtlpReceiverProcess`
+    unless ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` already names one (a parent's: the runs
+    under valgrind of ``cachegrind.per_request`` share their parent's receiver)."""
+    for key in ("OTEL_SDK_DISABLED", "OTEL_EXPORT_ENABLED"):
+        os.environ.pop(key, None)
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+    if mode != "export" or endpoint:
+        os.environ.update(tracing_env(mode, endpoint))
+        yield
+        return
+    with OtlpReceiverProcess() as receiver:
+        os.environ.update(tracing_env(mode, receiver.endpoint))
+        try:
+            yield
+        finally:
+            os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)

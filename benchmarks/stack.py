@@ -61,6 +61,7 @@ from launcher import (  # noqa: E402
     free_port,
     isolate_network,
     service_env,
+    tracing_env,
     wait_model,
 )
 
@@ -274,20 +275,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {value}")
     print(f"\nwritten: {out}")
     return 0
-
-
-def tracing_env(mode: str, endpoint: str) -> dict[str, str]:
-    if mode == "off":
-        return {"OTEL_SDK_DISABLED": "true"}
-    if mode == "local":
-        return {}
-    if mode == "export":
-        return {
-            "OTEL_EXPORT_ENABLED": "1",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
-        }
-    raise SystemExit(f"unknown tracing mode {mode!r} (off, local, export)")
 
 
 def tracing_modes(args: argparse.Namespace) -> int:

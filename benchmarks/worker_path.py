@@ -13,8 +13,12 @@ the difference by ``--requests`` (start-up and warm-up cancel out). A few minute
 be installed. Use it to A/B a change of the worker's code (``dynamo/backend``, ``dynamo/mocker``,
 the request plane's server side).
 
+``--tracing off|local|export`` (issue 17) runs the worker in that tracing mode (``export``: to
+an OTLP receiver in a process of its own; the export thread's CPU is the worker's).
+
     .venv/bin/python -m benchmarks.worker_path
     .venv/bin/python -m benchmarks.worker_path --instructions
+    .venv/bin/python -m benchmarks.worker_path --instructions --tracing local
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import msgspec  # noqa: E402
 import uvloop  # noqa: E402
 
 from benchmarks import cachegrind  # noqa: E402
+from benchmarks.launcher import TRACING_MODES, tracing_mode  # noqa: E402
+from dynamo.observability import tracing  # noqa: E402
 from dynamo.protocol.output import LLMEngineOutput  # noqa: E402
 from dynamo.protocol.request import PreprocessedRequest, StopConditions  # noqa: E402
 from dynamo.runtime.context import Context  # noqa: E402
@@ -44,13 +50,18 @@ OSL = 64
 VOCAB = 3_800  # below the demo vocabulary's special ids
 
 
-def request_body(i: int) -> bytes:
+def request_body(i: int, traced: bool) -> bytes:
+    """Request ``i``; ``traced``: with the ``traceparent`` the frontend sends unless tracing is
+    off (the worker's spans continue the frontend's trace)."""
     rng = random.Random(i)
     request = PreprocessedRequest(
         model="demo",
         token_ids=[rng.randrange(VOCAB) for _ in range(ISL)],
         request_id=f"req-{i}",
         stop=StopConditions(max_tokens=OSL, ignore_eos=True),
+        traceparent=f"00-{rng.getrandbits(128):032x}-{rng.getrandbits(64):016x}-01"
+        if traced
+        else None,
     )
     return msgspec.msgpack.encode(request)
 
@@ -61,7 +72,8 @@ async def client(address: str, path: str, concurrency: int, requests: int) -> No
 
     rp = TCPRequestPlaneClient()
     decode = msgspec.msgpack.Decoder(LLMEngineOutput).decode
-    bodies = [request_body(i) for i in range(256)]
+    traced = not tracing.sdk_disabled()  # as the frontend: a traceparent unless tracing is off
+    bodies = [request_body(i, traced) for i in range(256)]
     gate = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
     frames = [0]
@@ -154,8 +166,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--instructions", action="store_true", help="count under valgrind")
+    parser.add_argument(
+        "--tracing",
+        choices=TRACING_MODES,
+        help="issue 17's tracing mode (default: the environment's settings)",
+    )
     parser.add_argument("--client", nargs=2, metavar=("ADDRESS", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tracing is None:
+        return run(args)
+    with tracing_mode(args.tracing):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.client:
         uvloop.run(client(*args.client, args.concurrency, args.requests))
         return 0
@@ -167,7 +191,8 @@ def main() -> int:
             echo=True,
         )
         c = args.concurrency
-        print(f"mocker worker serving path, c={c}: {per / 1e6:.3f} M instructions a request")
+        mode = f", tracing {args.tracing}" if args.tracing else ""
+        print(f"mocker worker serving path, c={c}{mode}: {per / 1e6:.3f} M instructions a request")
         return 0
     cpu, frames = uvloop.run(serve(args.requests, args.concurrency, args.rounds))
     load = os.getloadavg()[0]

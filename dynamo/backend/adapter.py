@@ -73,9 +73,9 @@ class EngineAdapter:
             request = request_decoder.decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidArgument(f"malformed request: {exc}") from exc
-        span = tracing.tracer().start_span(
+        span = tracing.start_child(
             "handle_payload",
-            context=tracing.parent_context(request.traceparent),
+            tracing.remote_parent(request.traceparent),
             kind=SpanKind.SERVER,
             attributes={"request_id": request.request_id or ctx.id, "model": request.model},
         )
@@ -165,14 +165,11 @@ class EngineAdapter:
                     metrics.response_bytes.inc(payload.sent)
 
     def _generate_span(self, request: PreprocessedRequest, parent: Span | None) -> Span:
-        context = (
-            tracing.in_span(parent)
-            if parent is not None
-            else tracing.parent_context(request.traceparent)
-        )
-        span = tracing.tracer().start_span(
+        span = tracing.start_child(
             "engine.generate",
-            context=context,
+            tracing.context_of(parent)
+            if parent is not None
+            else tracing.remote_parent(request.traceparent),
             links=tracing.links_of(request),
             attributes={
                 "model": request.model,

@@ -36,11 +36,15 @@ class RequestSpec(msgspec.Struct):
     group: int = -1
 
 
-class RequestRecord(msgspec.Struct):
+class RequestRecord(msgspec.Struct, gc=False):
     """The outcome of one request. Times are seconds; ``start`` is ``time.perf_counter()``.
 
     ``error`` is a short type (``http_503``, ``connect``, ``timeout``, ``protocol``,
     ``sse_error``, ``incomplete``, ``connection``) or None on success.
+
+    Not tracked by the cyclic collector (``gc=False``): its fields are numbers, text and the
+    ``itl`` list of floats, so no reference cycle can run through it, and a run keeps one a
+    request (a 20k replay: 20,000 objects fewer for every collection to traverse).
     """
 
     start: float

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import Link, SpanKind
 
-from dynamo.observability.recording import RecordedSpan
+from dynamo.observability.recording import UNSET_STATUS, RecordedSpan
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +102,13 @@ def _any_value(value: Any) -> bytes:
 
 _MAX_CACHED = 8192
 _key_cache: dict[str, bytes] = {}
-_pair_cache: dict[tuple[str, type, Any], bytes] = {}
+_pair_cache: dict[tuple[bytes, str, str | bool], bytes] = {}
+_int_cache: dict[tuple[bytes, str, int], bytes] = {}
+_float_cache: dict[tuple[bytes, str], bytes] = {}
 
 
 def _key_value(key: str, value: Any) -> bytes:
     """A ``KeyValue`` message's body."""
-    kind = type(value)
-    if kind is str or kind is bool:  # labels repeat: encode each pair once
-        pair = (key, kind, value)
-        cached = _pair_cache.get(pair)
-        if cached is None:
-            cached = _ld(_T1, key.encode()) + _ld(_T2, _any_value(value))
-            if len(_pair_cache) < _MAX_CACHED and (kind is bool or len(value) <= 64):
-                _pair_cache[pair] = cached
-        return cached
     encoded_key = _key_cache.get(key)
     if encoded_key is None:
         encoded_key = _ld(_T1, key.encode())
@@ -125,8 +118,44 @@ def _key_value(key: str, value: Any) -> bytes:
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
-    """``repeated KeyValue`` as the field whose tag is ``tag``."""
-    return b"".join([_ld(tag, _key_value(k, v)) for k, v in attributes.items()])
+    """``repeated KeyValue`` as the field whose tag is ``tag``. Per attribute one dict
+    look-up in the common cases: a (key, string or bool value) pair and a (key, small int)
+    pair are encoded once, field and all; a float's field is a cached prefix and its 8
+    bytes."""
+    out = []
+    for key, value in attributes.items():
+        kind = type(value)
+        if kind is str or kind is bool:  # labels repeat
+            field = _pair_cache.get((tag, key, value))
+            if field is None:
+                keep = kind is bool or len(value) <= 64
+                field = _cached_field(tag, key, value, _pair_cache, keep)
+            out.append(field)
+        elif kind is float:
+            prefix = _float_cache.get((tag, key))
+            if prefix is None:
+                # tag, length (key field + field 2 of 9 bytes), key field, AnyValue's double tag
+                body = _key_value(key, 0.0)
+                prefix = tag + _varint(len(body)) + body[:-8]
+                if len(_float_cache) < _MAX_CACHED:
+                    _float_cache[(tag, key)] = prefix
+            out.append(prefix)
+            out.append(_pack_double(value))
+        elif kind is int:  # counts repeat
+            field = _int_cache.get((tag, key, value))
+            if field is None:
+                field = _cached_field(tag, key, value, _int_cache, 0 <= value < 1 << 16)
+            out.append(field)
+        else:
+            out.append(_ld(tag, _key_value(key, value)))
+    return b"".join(out)
+
+
+def _cached_field(tag: bytes, key: str, value: Any, cache: dict[Any, bytes], keep: bool) -> bytes:
+    field = _ld(tag, _key_value(key, value))
+    if keep and len(cache) < _MAX_CACHED:
+        cache[(tag, key, value)] = field
+    return field
 
 
 def _link(link: Link) -> bytes:
@@ -139,29 +168,38 @@ def _link(link: Link) -> bytes:
     return out + b"\x35" + _pack_fixed32(int(ctx.trace_flags))
 
 
-_KIND = {
-    kind: b"\x30" + _BYTE[kind.value + 1] for kind in SpanKind
-}  # OTLP counts from 0=UNSPECIFIED
+# OTLP counts from 0=UNSPECIFIED; keyed by the member's id (an Enum member's hash is a Python
+# call)
+_KIND = {id(kind): b"\x30" + _BYTE[kind.value + 1] for kind in SpanKind}
+_TIMES = struct.Struct("<cQcQ").pack  # 7: start, 8: end (fixed64 each)
+_FLAGS = [b"\x85\x01" + _pack_fixed32(flags) for flags in range(1 << 10)]  # 16: flags
+_MAX_NAMES = 1024
+_names: dict[str, bytes] = {}
 
 
 def encode_span(span: RecordedSpan) -> bytes:
     """One ``Span`` message (opentelemetry/proto/trace/v1/trace.proto)."""
-    ctx = span.context
+    ctx = span.context  # the tuple (trace_id, span_id, is_remote, flags, state, valid)
     parent = span.parent
     out = [
         b"\x0a\x10",  # 1: trace_id, 16 bytes
-        ctx.trace_id.to_bytes(16, "big"),
+        ctx[0].to_bytes(16, "big"),
         b"\x12\x08",  # 2: span_id, 8 bytes
-        ctx.span_id.to_bytes(8, "big"),
+        ctx[1].to_bytes(8, "big"),
     ]
-    if ctx.trace_state:
-        out.append(_ld(_T3, ctx.trace_state.to_header().encode()))
+    if ctx[4]:
+        out.append(_ld(_T3, ctx[4].to_header().encode()))
     if parent is not None:
         out.append(b"\x22\x08")  # 4: parent_span_id
-        out.append(parent.span_id.to_bytes(8, "big"))
-    out.append(_ld(_T5, span.name.encode()))
-    out.append(_KIND[span.kind])
-    out.append(b"\x39" + _pack_fixed64(span.start_ns) + b"\x41" + _pack_fixed64(span.end_ns))
+        out.append(parent[1].to_bytes(8, "big"))
+    name = _names.get(span.name)
+    if name is None:
+        name = _ld(_T5, span.name.encode())
+        if len(_names) < _MAX_NAMES:
+            _names[span.name] = name
+    out.append(name)
+    out.append(_KIND[id(span.kind)])
+    out.append(_TIMES(b"\x39", span.start_ns, b"\x41", span.end_ns))
     if span.attributes:
         out.append(_attributes(_T9, span.attributes))
     for event in span.events:
@@ -170,16 +208,17 @@ def encode_span(span: RecordedSpan) -> bytes:
     for link in span.links:
         out.append(_ld(_T13, _link(link)))
     status = span.status
-    code = status.status_code.value
-    if code:
-        body = _ld(_T2, status.description.encode()) if status.description else b""
-        out.append(_ld(_T15, body + b"\x18" + _BYTE[code]))
+    if status is not UNSET_STATUS:
+        code = status.status_code.value
+        if code:
+            body = _ld(_T2, status.description.encode()) if status.description else b""
+            out.append(_ld(_T15, body + b"\x18" + _BYTE[code]))
     # 16: flags, the W3C trace flags plus "whether the parent is remote" known (bit 8) and
     # true (bit 9)
-    flags = int(ctx.trace_flags) | 0x100
-    if parent is not None and parent.is_remote:
+    flags = ctx[3] | 0x100
+    if parent is not None and parent[2]:
         flags |= 0x200
-    out.append(b"\x85\x01" + _pack_fixed32(flags))
+    out.append(_FLAGS[flags])
     return b"".join(out)
 
 

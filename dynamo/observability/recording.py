@@ -21,18 +21,27 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE as DEFAULT_STATE
 from opentelemetry.trace.status import Status, StatusCode
 
-SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
+from dynamo.observability.span_context import (
+    SAMPLED,
+    SPAN_TYPES,
+    UNSAMPLED,
+    SpanScope,
+    parent_of,
+    span_context,
+)
+
 _random = random.Random()
+UNSET_STATUS = Status(StatusCode.UNSET)
+"""Every new span's status (shared: a span's status is replaced, never changed in place)."""
 
 
 class Event:
@@ -71,7 +80,7 @@ class RecordedSpan(Span):
         parent: SpanContext | None,
         kind: SpanKind,
         attributes: Mapping[str, Any] | None,
-        links: Sequence[Link],
+        links: Sequence[Link] | None,
         start_ns: int,
         sink: Callable[[RecordedSpan], None],
     ) -> None:
@@ -82,9 +91,9 @@ class RecordedSpan(Span):
         self.start_ns = start_ns
         self.end_ns = 0
         self.attributes: dict[str, Any] = dict(attributes) if attributes else {}
-        self.links = list(links)
+        self.links = list(links) if links else []
         self.events: list[Event] = []
-        self.status = Status(StatusCode.UNSET)
+        self.status = UNSET_STATUS
         self._sink: Callable[[RecordedSpan], None] | None = sink
 
     # -- the span API --------------------------------------------------------------------
@@ -159,6 +168,7 @@ class RecordingTracer(trace.Tracer):
     def __init__(self, sink: Callable[[RecordedSpan], None], sampler: Sampler) -> None:
         self._sink = sink
         self._sampler = sampler
+        self._parent_based = sampler.parent_based  # a child follows its parent's decision
 
     def start_span(
         self,
@@ -171,20 +181,36 @@ class RecordingTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> Span:
-        current = trace.get_current_span(context).get_span_context()
-        parent = current if current.is_valid else None
-        if parent is not None:
-            trace_id, state = parent.trace_id, parent.trace_state
-        else:
-            trace_id, state = _random.getrandbits(128) or 1, None
-        span_id = _random.getrandbits(64) or 1
-        if not self._sampler.sample(parent, trace_id):
-            return NonRecordingSpan(SpanContext(trace_id, span_id, False, UNSAMPLED, state))
-        ctx = SpanContext(trace_id, span_id, False, SAMPLED, state)
-        start = time.time_ns() if start_time is None else start_time
-        return RecordedSpan(name, ctx, parent, kind, attributes, links or (), start, self._sink)
+        return self.start_child(name, parent_of(context), kind, attributes, links, start_time)
 
-    @contextmanager
+    def start_child(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """:meth:`start_span` under the span context ``parent`` (None: a new trace), with no
+        ``Context`` to build and read back."""
+        if parent is not None:
+            # a SpanContext is the tuple (trace_id, span_id, is_remote, flags, state, valid)
+            trace_id, state = parent[0], parent[4]
+            if self._parent_based:
+                sampled = parent[3] & SAMPLED
+            else:
+                sampled = self._sampler.sample(parent, trace_id)
+        else:
+            trace_id, state = _random.getrandbits(128) or 1, DEFAULT_STATE
+            sampled = self._sampler.sample(None, trace_id)
+        span_id = _random.getrandbits(64) or 1
+        if not sampled:
+            return NonRecordingSpan(span_context(trace_id, span_id, False, UNSAMPLED, state))
+        ctx = span_context(trace_id, span_id, False, SAMPLED, state)
+        start = time.time_ns() if start_time is None else start_time
+        return RecordedSpan(name, ctx, parent, kind, attributes, links, start, self._sink)
+
     def start_as_current_span(  # type: ignore[override]
         self,
         name: str,
@@ -196,15 +222,12 @@ class RecordingTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
         end_on_exit: bool = True,
-    ) -> Iterator[Span]:
-        span = self.start_span(name, context, kind, attributes, links, start_time)
-        with trace.use_span(
-            span,
-            end_on_exit=end_on_exit,
-            record_exception=record_exception,
-            set_status_on_exception=set_status_on_exception,
-        ) as current:
-            yield current
+    ) -> SpanScope:
+        span = self.start_child(name, parent_of(context), kind, attributes, links, start_time)
+        return SpanScope(span, end_on_exit, record_exception, set_status_on_exception)
+
+
+SPAN_TYPES.add(RecordedSpan)
 
 
 class Sampler:

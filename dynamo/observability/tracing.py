@@ -30,22 +30,31 @@ import random
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import Token
 from typing import Any
 
 import msgspec
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event as SdkEvent
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, TraceFlags
+from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from dynamo.observability import otlp
 from dynamo.observability.recording import RecordedSpan, RecordingTracer, Sampler
+from dynamo.observability.span_context import (
+    FLAGS,
+    SAMPLED,
+    SpanScope,
+    attach,
+    detach,
+    parent_of,
+    remote_context,
+    span_context,
+    with_span,
+)
 from dynamo.protocol.request import PreprocessedRequest, TraceLink
 
 EXPORT_ENV = "OTEL_EXPORT_ENABLED"
@@ -175,6 +184,10 @@ def tracer() -> trace.Tracer:
     they are local only: valid ids that continue the parent's trace (so log lines carry the
     trace id and the request carries a ``traceparent`` a downstream process that does export
     continues), without any bookkeeping. ``OTEL_SDK_DISABLED=true`` turns even those off."""
+    return _tracer()
+
+
+def _tracer() -> RecordingTracer | _LocalTracer | _NoopTracer:
     recorder = _state.recorder
     if recorder is not None:
         return recorder
@@ -183,6 +196,26 @@ def tracer() -> trace.Tracer:
         if _state.recorder is not None:
             return _state.recorder
     return _NOOP if _state.disabled else _LOCAL
+
+
+def start_child(
+    name: str,
+    parent: SpanContext | None,
+    *,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Any = None,
+    links: Any = None,
+) -> Span:
+    """``tracer().start_span`` under the span context ``parent`` (None: a new trace), for a
+    caller that holds the parent's ids rather than a context (:func:`remote_parent`,
+    :func:`context_of`): no ``Context`` is built to be read back."""
+    return _tracer().start_child(name, parent, kind, attributes, links)
+
+
+def context_of(span: Span) -> SpanContext | None:
+    """``span``'s span context, or None if it is not valid (a disabled tracer's span)."""
+    ctx = span.get_span_context()
+    return ctx if ctx.is_valid else None
 
 
 class _LocalTracer(trace.Tracer):
@@ -199,13 +232,23 @@ class _LocalTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> Span:
-        parent = trace.get_current_span(context).get_span_context()
-        if parent.is_valid:
-            trace_id, flags = parent.trace_id, parent.trace_flags
+        return self.start_child(name, parent_of(context))
+
+    def start_child(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """A local span under the span context ``parent`` (None: a new trace)."""
+        if parent is not None:  # the tuple (trace_id, span_id, is_remote, flags, ...)
+            trace_id, flags = parent[0], parent[3]
         else:
-            trace_id, flags = _random.getrandbits(128) or 1, _SAMPLED
-        span_id = _random.getrandbits(64) or 1
-        return NonRecordingSpan(SpanContext(trace_id, span_id, False, flags))
+            trace_id, flags = _random.getrandbits(128) or 1, SAMPLED
+        return NonRecordingSpan(span_context(trace_id, _random.getrandbits(64) or 1, False, flags))
 
     def start_as_current_span(  # type: ignore[override]
         self,
@@ -218,34 +261,29 @@ class _LocalTracer(trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
         end_on_exit: bool = True,
-    ) -> _LocalScope:
-        return _LocalScope(self.start_span(name, context))
+    ) -> SpanScope:
+        # A local span records nothing: no exception to record, nothing to end.
+        return SpanScope(self.start_child(name, parent_of(context)), end_on_exit=False)
 
 
-class _LocalScope:
-    """``with``: a local span current for the block. A plain class, not ``@contextmanager`` over
-    ``trace.use_span`` (two generator frames and the SDK's exception bookkeeping for a span
-    that records nothing): a request opens two of these (preprocess, route)."""
+class _NoopTracer(trace.NoOpTracer):
+    """``OTEL_SDK_DISABLED=true``: the API's no-op tracer, with :meth:`start_child`."""
 
-    __slots__ = ("_span", "_token")
-
-    def __init__(self, span: Span) -> None:
-        self._span = span
-        self._token: Token[Context] | None = None
-
-    def __enter__(self) -> Span:
-        self._token = otel_context.attach(trace.set_span_in_context(self._span))
-        return self._span
-
-    def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            otel_context.detach(self._token)
+    def start_child(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+    ) -> Span:
+        return INVALID_SPAN
 
 
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _random = random.Random()
 _LOCAL = _LocalTracer()
-_NOOP = trace.NoOpTracer()
+_NOOP = _NoopTracer()
 
 
 # -- context across processes ----------------------------------------------------------------
@@ -256,10 +294,11 @@ def context_from_headers(headers: Mapping[str, str]) -> Context:
 
 def traceparent(span: Span | None = None) -> str | None:
     """The W3C ``traceparent`` value naming ``span`` (default: the current span), or None."""
-    ctx = (span or trace.get_current_span()).get_span_context()
-    if not ctx.is_valid:
+    ctx = parent_of(None) if span is None else context_of(span)
+    if ctx is None:
         return None
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    # the tuple (trace_id, span_id, is_remote, flags, ...): see span_context.py
+    return f"00-{ctx[0]:032x}-{ctx[1]:016x}-{ctx[3]:02x}"
 
 
 _OWN_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
@@ -277,12 +316,27 @@ def parent_context(value: str | None) -> Context | None:
         return None
     own = _OWN_TRACEPARENT.fullmatch(value)
     if own is not None:
-        trace_id, span_id = int(own[1], 16), int(own[2], 16)
+        trace_hex, span_hex, flags_hex = own.groups()
+        trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
         if trace_id and span_id:
-            flags = TraceFlags(int(own[3], 16))
-            remote = SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags)
-            return trace.set_span_in_context(NonRecordingSpan(remote))
+            return remote_context(trace_id, span_id, int(flags_hex, 16))
     return _propagator.extract({"traceparent": value})
+
+
+def remote_parent(value: str | None) -> SpanContext | None:
+    """The parent span context of the spans a request carrying the ``traceparent`` ``value``
+    starts: what ``tracer().start_span(name, parent_context(value))`` continues, for
+    :func:`start_child` (no value: the current span's, if any; an invalid one: None, a new
+    trace)."""
+    if not value:
+        return parent_of(None)
+    own = _OWN_TRACEPARENT.fullmatch(value)
+    if own is not None:
+        trace_hex, span_hex, flags_hex = own.groups()
+        trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+        if trace_id and span_id:
+            return span_context(trace_id, span_id, True, FLAGS[int(flags_hex, 16)])
+    return parent_of(_propagator.extract({"traceparent": value}))
 
 
 def with_traceparent(request: PreprocessedRequest, span: Span | None = None) -> PreprocessedRequest:
@@ -337,30 +391,33 @@ def links_of(request: PreprocessedRequest) -> list[Link]:
 def use(span: Span) -> Iterator[None]:
     """Make ``span`` current for a synchronous block (log lines in it carry its trace id).
     Never hold it across an ``await``/``yield``: the context must be restored where it was set."""
-    token = otel_context.attach(trace.set_span_in_context(span))
+    token = attach(with_span(span))
     try:
         yield
     finally:
-        otel_context.detach(token)
+        detach(token)
 
 
 def in_span(span: Span) -> Context:
     """A context whose current span is ``span`` (the parent of explicitly started children)."""
-    return trace.set_span_in_context(span)
+    return with_span(span)
 
 
 __all__ = [
     "add_span_processor",
     "context_from_headers",
+    "context_of",
     "export_enabled",
     "in_span",
     "link_of",
     "links_of",
     "parent_context",
     "recording",
+    "remote_parent",
     "sdk_disabled",
     "setup_tracing",
     "shutdown_tracing",
+    "start_child",
     "traceparent",
     "tracer",
     "use",

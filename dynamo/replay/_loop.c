@@ -41,13 +41,13 @@ static const char *const timing_fields[] = {"speedup_ratio", "decode_speedup_rat
  * Flight, bench/request.py's RequestRecord, engine_core/sequence.py's Sequence. */
 static const char *const flight_fields[] = {"request_id", "record", "done", "tokens",
                                             "spec",       "load",   "runner"};
-static const char *const record_fields[] = {"end", "status", "prompt_tokens", "cached_tokens",
-                                            "finish_reason"};
+static const char *const record_fields[] = {"end",           "status", "prompt_tokens",
+                                            "cached_tokens", "finish_reason", "itl"};
 static const char *const seq_fields[] = {"request_id", "num_prompt_tokens", "num_cached_tokens",
                                          "finish_reason"};
 enum { RK_SCHED, RK_POOL, RK_STATE, RK_RAW, RK_PASSES, RK_WORKER_ID };
 enum { FL_REQUEST_ID, FL_RECORD, FL_DONE, FL_TOKENS, FL_SPEC, FL_LOAD, FL_RUNNER };
-enum { RC_END, RC_STATUS, RC_PROMPT_TOKENS, RC_CACHED_TOKENS, RC_FINISH_REASON };
+enum { RC_END, RC_STATUS, RC_PROMPT_TOKENS, RC_CACHED_TOKENS, RC_FINISH_REASON, RC_ITL };
 enum { SQ_REQUEST_ID, SQ_PROMPT_TOKENS, SQ_CACHED_TOKENS, SQ_FINISH_REASON };
 enum { PL_CORE, PL_ROLE, PL_QUEUE };
 enum { TM_SPEEDUP, TM_DECODE_SPEEDUP, TM_TOTAL_KV };
@@ -323,6 +323,28 @@ put_record(PyObject *record, int f, PyObject *v)
     return rc;
 }
 
+/* A finished request's ITL gaps leave the cyclic collector: a list of floats only (``deliver``
+ * appended them), through which no reference cycle can run, and the run keeps one a request,
+ * which the first collection after the run traversed with its 31 floats in the benchmark's
+ * shape (the record itself is a ``gc=False`` Struct). A list subclass, or a list holding
+ * anything but floats, stays tracked. Not a result: the Python loop leaves them tracked. */
+static int
+untrack_itl(PyObject *record)
+{
+    PyObject *itl = dyn_slots_get(&record_slots, record, RC_ITL);
+    if (itl == NULL)
+        return -1;
+    if (PyList_CheckExact(itl) && PyObject_GC_IsTracked(itl)) {
+        Py_ssize_t n = PyList_GET_SIZE(itl), i = 0;
+        while (i < n && PyFloat_CheckExact(PyList_GET_ITEM(itl, i)))
+            i++;
+        if (i == n)
+            PyObject_GC_UnTrack(itl);
+    }
+    Py_DECREF(itl);
+    return 0;
+}
+
 /* One finished request of a decode (or aggregated) pass: ``Simulation._retire``'s loop body
  * and ``_finish``, the same writes in the same order; the router's ``free`` and the load
  * generator's ``ended`` are called as there. */
@@ -362,7 +384,8 @@ retire_one(Loop *L, PyObject *seq, PyObject *core)
     }
     if ((reason = dyn_slots_get(&seq_slots, seq, SQ_FINISH_REASON)) == NULL ||
         put_record(record, RC_FINISH_REASON,
-                   reason == Py_None ? Py_NewRef(str_length) : PyObject_Str(reason)) < 0)
+                   reason == Py_None ? Py_NewRef(str_length) : PyObject_Str(reason)) < 0 ||
+        untrack_itl(record) < 0)
         goto end;
     /* _finish: done, forgotten, its prompt and spec dropped, its load phase goes on */
     if (dyn_slots_put(&flight_slots, flight, FL_DONE, Py_True) < 0 ||
@@ -375,8 +398,8 @@ retire_one(Loop *L, PyObject *seq, PyObject *core)
     Py_SETREF(record, dyn_slots_get(&flight_slots, flight, FL_RECORD));
     if (record == NULL)
         goto end;
-    PyObject *args[2] = {runner, record};
-    rc = done(call_method(load, s_ended, args, 2));
+    PyObject *args[3] = {runner, record, L->now};
+    rc = done(call_method(load, s_ended, args, 3));
 end:
     Py_DECREF(rid);
     Py_XDECREF(flight);

@@ -96,6 +96,20 @@ def test_the_encoding_reads_back_with_the_official_classes() -> None:
     assert link.attributes[0].key == "link.kind"
 
 
+def test_cached_attribute_fields_read_back_by_type() -> None:
+    """The encoder caches a (key, value) field per type: the same key with a bool, an int, a
+    string and a float must each read back as what was set, the second time too."""
+    tracer, ended = recorded()
+    values: list[object] = [True, 1, "1", 1.0, 0, False, -1, 70000, 2.5]
+    for value in [*values, *values]:
+        tracer.start_span("s", attributes={"a": value}).end()
+    body = otlp.Encoder({}).encode(ended)
+    spans = ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans
+    read = [_value(span.attributes[0].value) for span in spans]
+    assert read == [*values, *values]
+    assert [type(v) for v in read] == [type(v) for v in [*values, *values]]
+
+
 def test_a_root_span_has_no_parent_field() -> None:
     tracer, ended = recorded()
     tracer.start_span("root").end()

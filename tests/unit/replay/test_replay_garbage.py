@@ -19,6 +19,7 @@ from dynamo.bench.config import BenchConfig
 from dynamo.bench.workload import Session
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
+from dynamo.replay import simulator
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
 from dynamo.replay.simulator import Simulation
@@ -179,3 +180,16 @@ def test_the_collector_is_restored_when_the_run_raises() -> None:
         sim.run()
     assert gc.isenabled()
     assert seen and not any(seen)
+
+
+def test_the_records_are_left_out_of_the_collectors_traversals() -> None:
+    """What a run keeps a request and the collector would traverse once it resumes: the record
+    is never tracked (a ``gc=False`` Struct), and the C loop untracks a finished request's ITL
+    list (floats only); the flight itself stays tracked."""
+    result = run_replay(_bench(16), Deployment(2, "kv", engine=ENGINE), plots=False)
+    records = [f.record for f in result.flights]
+    assert records and all(r.ok and len(r.itl) == 7 for r in records)
+    assert not any(gc.is_tracked(r) for r in records)
+    assert all(gc.is_tracked(f) for f in result.flights)
+    if simulator._native_loop is not None:
+        assert not any(gc.is_tracked(r.itl) for r in records)
