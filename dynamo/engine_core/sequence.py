@@ -7,7 +7,6 @@ when they meet, the pass samples one new token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -26,13 +25,16 @@ from dynamo.router.hashing import (
     next_sequence_hash,
     sequence_hashes,
 )
-from dynamo.runtime.errors import InvalidArgument
 
 _kernel = native.load("dynamo.engine_core._sequence", "dynamo.engine_core._sequence_fallback")
 if TYPE_CHECKING:
-    from dynamo.engine_core._sequence import build as _build
+    from dynamo.engine_core._sequence import new_sequence as new_sequence
 else:
-    _build = _kernel.build
+    # :func:`sequence_from_request` from the request's fields (contract: ``_sequence.pyi``):
+    # the offline replay builds one sequence per simulated request, the live engines one per
+    # request through sequence_from_request; native, its Python checks and field computations
+    # were ~14k instructions a sequence
+    new_sequence = _kernel.new_sequence
 
 
 class SequenceStatus(Enum):
@@ -164,9 +166,6 @@ def request_seed(request_id: str, seed: int | None) -> int:
     return int(xxhash.xxh3_64_intdigest(request_id.encode()))
 
 
-_MASK64 = (1 << 64) - 1
-
-
 def sequence_from_request(
     config: SchedulerLimits,
     request: PreprocessedRequest,
@@ -205,104 +204,4 @@ def sequence_from_request(
         reuse_prefix_cache=request.output.prompt_logprobs is None,
         seed_id=seed_id,
         hashes=hashes,
-    )
-
-
-_NO_IDS: frozenset[int] = frozenset()
-
-
-def new_sequence(
-    config: SchedulerLimits,
-    token_ids: list[int],
-    request_id: str,
-    now: float,
-    *,
-    max_tokens: int | None,
-    min_tokens: int = 0,
-    stop_token_ids: Iterable[int] = (),
-    eos_token_ids: Iterable[int] = (),
-    ignore_eos: bool = False,
-    lora_name: str | None = None,
-    seed: int | None = None,
-    handoff: DisaggregatedParams | None = None,
-    reuse_prefix_cache: bool = True,
-    seed_id: str | None = None,
-    hashes: tuple[list[int], list[int]] | None = None,
-) -> Sequence:
-    """:func:`sequence_from_request` from the request's fields (the same checks and result),
-    for a caller that holds them without a ``PreprocessedRequest`` (the offline replay builds
-    one sequence per simulated request). ``token_ids`` becomes the sequence's ``prompt`` (kept,
-    never changed: the caller must not change it either); ``hashes`` are handed over."""
-    isl = len(token_ids)
-    if isl == 0:
-        raise InvalidArgument("the prompt is empty")
-    room = config.max_model_len - isl
-    if room < 1:
-        raise InvalidArgument(f"a prompt of {isl} tokens leaves no room in the context")
-    if config.disaggregation_mode == "prefill":
-        max_tokens, min_tokens = 1, 0
-    elif max_tokens is None:
-        max_tokens = room
-    if max_tokens < 1:
-        raise InvalidArgument("max_tokens must be at least 1")
-    if max_tokens > room:
-        raise InvalidArgument(
-            f"prompt ({isl}) + max_tokens ({max_tokens}) exceeds the context length "
-            f"({config.max_model_len})"
-        )
-    if min_tokens > max_tokens:
-        raise InvalidArgument("min_tokens exceeds max_tokens")
-    kv_tokens = isl + max_tokens - 1  # the last sampled token never needs a KV slot
-    if -(-kv_tokens // config.block_size) > config.num_gpu_blocks:
-        raise InvalidArgument(
-            f"the request needs {kv_tokens} KV tokens; the pool holds {config.total_kv_tokens}"
-        )
-    if not config.enable_chunked_prefill and isl > config.max_num_batched_tokens:
-        raise InvalidArgument(
-            f"a prompt of {isl} tokens exceeds max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}) and chunked prefill is off"
-        )
-    eos = frozenset(eos_token_ids) if eos_token_ids else _NO_IDS
-    stop_ids = frozenset(stop_token_ids) if stop_token_ids else _NO_IDS
-    if config.disaggregation_mode != "decode":
-        handoff = None
-    bs = config.block_size
-    if hashes is not None and len(hashes[0]) == isl // bs:
-        local, chained = hashes  # handed over: the output's blocks are appended to them
-    else:  # not handed in: hashed as Sequence.__post_init__ does
-        local = local_block_hashes(token_ids, bs, lora_name=lora_name)
-        chained = sequence_hashes(local)
-    # Sequence(...) without its __init__ and __post_init__ (_sequence.pyi): every field in
-    # order, as they would set it (tests/unit/engine_core/test_sequence_native.py).
-    return _build(
-        Sequence,
-        (
-            request_id,
-            token_ids if type(token_ids) is list else list(token_ids),  # prompt
-            isl,
-            max_tokens,
-            min_tokens,
-            bs,
-            lora_name,
-            request_seed(seed_id or request_id, seed) & _MASK64,
-            stop_ids if ignore_eos else stop_ids | eos,
-            eos,
-            now,
-            handoff,
-            handoff is not None,  # pending_transfer
-            reuse_prefix_cache,
-            SequenceStatus.WAITING,
-            0,  # num_computed_tokens
-            0,  # prefill_end
-            None,  # num_cached_tokens
-            0.0,  # ready_at
-            0,  # num_preemptions
-            None,  # finish_reason
-            [],  # output
-            local,
-            chained,
-            [],  # full_blocks
-            [],  # unique_blocks
-            block_seed(lora_name),  # hash_seed
-        ),
     )

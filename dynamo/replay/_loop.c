@@ -398,8 +398,8 @@ retire_one(Loop *L, PyObject *seq, PyObject *core)
     Py_SETREF(record, dyn_slots_get(&flight_slots, flight, FL_RECORD));
     if (record == NULL)
         goto end;
-    PyObject *args[2] = {runner, record};
-    rc = done(call_method(load, s_ended, args, 2));
+    PyObject *args[3] = {runner, record, L->now};
+    rc = done(call_method(load, s_ended, args, 3));
 end:
     Py_DECREF(rid);
     Py_XDECREF(flight);

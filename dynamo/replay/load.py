@@ -17,6 +17,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.workload import Session
@@ -101,12 +102,17 @@ class LoadGenerator:
         else:
             self._advance(runner)
 
-    def ended(self, runner: Runner, record: RequestRecord) -> None:
-        """A request of ``runner`` ended (done or failed): its runner goes on, and a request
-        queued by ``max_concurrency`` starts."""
+    def waker(self) -> Callable[[Any], None]:
+        """The handler of this phase's scheduled sends: ``wake``, or for a closed loop (whose
+        sends are all runners') ``wake``'s runner branch itself (a call fewer a request)."""
+        return self.wake if self.load.open_loop else self._advance
+
+    def ended(self, runner: Runner, record: RequestRecord, now: float) -> None:
+        """A request of ``runner`` ended (done or failed) at ``now``: its runner goes on, and
+        a request queued by ``max_concurrency`` starts."""
         self.in_flight -= 1
         runner.previous = record
-        self._schedule(self._clock(), runner)
+        self._schedule(now, runner)
         cap = self.load.max_concurrency
         if self._queued and (cap is None or self.in_flight < cap):
             spec, queued = self._queued.popleft()
@@ -176,7 +182,8 @@ class LoadGenerator:
         if cap is not None and self.in_flight >= cap:
             self._queued.append((spec, runner))
             return
-        self._dispatch(spec, runner)
+        self.in_flight += 1  # _dispatch's body (a call fewer a request)
+        self._send(spec, runner, self)
 
     def _dispatch(self, spec: RequestSpec, runner: Runner) -> None:
         self.in_flight += 1

@@ -188,9 +188,9 @@ class Simulation:
         queue, timeouts = self._events_queue, self._timeouts
         pop, next_when = queue.pop, queue.next_when
         pass_end, pass_start = self._pass_end, self._pass_start
-        wake: Callable[[Any], None] = gen.wake
+        wake: Callable[[Any], None] = gen.waker()
         if self._frontend is not None:  # a send's event may be a flight reaching the router
-            wake = wake_or_arrive(gen.wake, self._arrive)
+            wake = wake_or_arrive(wake, self._arrive)
         self._events = 0
         if _native_loop is not None:  # this loop in C (replay/_loop.c), to the phase's end:
             self._events = _native_loop.run(self, queue, timeouts, self._counter, wake, deliver)
@@ -484,4 +484,4 @@ class Simulation:
         flight.done = True
         del self._by_id[flight.request_id]
         flight.tokens, flight.spec = _ENDED, _ENDED_SPEC  # what ended requests sent: not kept
-        flight.load.ended(flight.runner, flight.record)
+        flight.load.ended(flight.runner, flight.record, self.now)

@@ -26,15 +26,8 @@ from dynamo.router.sequences_check import check_sequences
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ActiveLoad",
-    "ActiveSequences",
-    "DuplicateRequest",
-    "LoadProjection",
-    "PotentialLoad",
-    "UnknownWorkerRank",
-    "WorkerRank",
-]
+__all__ = ["ActiveLoad", "ActiveSequences", "DuplicateRequest", "LoadProjection"]
+__all__ += ["PotentialLoad", "UnknownWorkerRank", "WorkerRank"]
 
 WorkerRank = tuple[int, int]
 """``(worker_id, dp_rank)``."""
@@ -210,6 +203,11 @@ class ActiveSequences:
         )
         self._stale = {}
         self._columns_for = None
+
+    @property
+    def resolved(self) -> object:
+        """rank_loads' resolved keys: the same object while its ranks stay valid."""
+        return self._columns_for
 
     def has_rank(self, worker_id: int, dp_rank: int) -> bool:
         return (worker_id, dp_rank) in self._ranks

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import random
 import subprocess
 import sys
 import time
@@ -75,6 +76,49 @@ def test_summary_figures() -> None:
     assert summary["client_cpu"]["cpu_ms_per_request"] == pytest.approx(50.0)
     text = format_summary(summary)
     assert "2 ok, 1 failed" in text and "http_503 x1" in text and "1 requests had" in text
+
+
+def test_summary_is_each_figures_definition_on_mixed_records() -> None:
+    """``summarize`` reads the records in one pass: each figure equals its definition over
+    the records (failures, no first token, fewer than two tokens, no usage, mixed)."""
+    rng = random.Random(7)
+    records = []
+    for i in range(400):
+        start = rng.random()
+        r = record(start, rng.random() / 10, start + rng.random())
+        kind = rng.randrange(5)
+        if kind == 0:
+            r.error, r.error_message = rng.choice(["http_503", "timeout"]), f"m{i}"
+        if kind == 1:
+            r.ttft = None
+        if kind == 2:
+            r.prompt_tokens = None
+        r.output_tokens = rng.choice([0, 1, 2, 9])
+        r.cached_tokens = rng.choice([None, 0, 5])
+        r.itl = [rng.random() for _ in range(rng.randrange(4))]
+        records.append(r)
+    ok = [r for r in records if r.ok]
+    usage = [r for r in ok if r.prompt_tokens is not None]
+    summary = summarize(records, window_s=2.0)
+    assert summary["ttft_ms"] == stats([r.ttft for r in ok if r.ttft is not None], 1000.0)
+    assert summary["tpot_ms"] == stats([r.tpot for r in ok if r.tpot is not None], 1000.0)
+    assert summary["e2e_latency_ms"] == stats([r.e2e for r in ok], 1000.0)
+    assert summary["itl_ms"] == stats([g for r in ok for g in r.itl], 1000.0)
+    assert summary["input_tokens"] == stats([r.prompt_tokens or 0 for r in usage])
+    assert summary["output_tokens"] == stats([r.output_tokens for r in ok])
+    prompt = sum(r.prompt_tokens or 0 for r in usage)
+    assert summary["cache_hit_rate"] == sum(r.cached_tokens or 0 for r in usage) / prompt
+    assert summary["output_token_throughput_tps"] == sum(r.output_tokens for r in ok) / 2.0
+    assert summary["prompt_tokens_mismatch"] == sum(
+        r.prompt_tokens != r.expected_prompt_tokens for r in usage
+    )
+    failed = [r for r in records if not r.ok]
+    assert summary["requests"] == {"total": 400, "completed": len(ok), "failed": len(failed)}
+    assert summary["errors"] == {
+        e: sum(r.error == e for r in failed) for e in sorted({r.error for r in failed})
+    }
+    first = {e: next(r.error_message for r in failed if r.error == e) for e in summary["errors"]}
+    assert summary["error_examples"] == first
 
 
 def test_compare_prints_the_ratio_of_every_figure(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from dynamo.engine_core import _sequence_fallback as py
 from dynamo.engine_core.sequence import Sequence, new_sequence, request_seed
 from dynamo.protocol.disagg import DisaggregatedParams
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
+from dynamo.runtime.errors import InvalidArgument
 
 MASK64 = (1 << 64) - 1
 
@@ -26,10 +27,11 @@ def native() -> ModuleType:
 
 
 class Limits:
-    def __init__(self, mode: str, block_size: int) -> None:
+    def __init__(self, mode: str, block_size: int, **limits: Any) -> None:
         self.block_size, self.disaggregation_mode = block_size, mode
         self.num_gpu_blocks, self.max_num_batched_tokens = 4096, 8192
         self.enable_chunked_prefill, self.max_model_len = True, 10_000
+        self.__dict__.update(limits)
         self.total_kv_tokens = self.num_gpu_blocks * block_size
 
 
@@ -61,7 +63,9 @@ def dataclass_built(cfg: Limits, tokens: list[int], rid: str, now: float, **kw: 
     )
 
 
-def test_new_sequence_builds_what_the_dataclass_builds() -> None:
+@pytest.mark.parametrize("module", ["native", "fallback"])
+def test_new_sequence_builds_what_the_dataclass_builds(native: ModuleType, module: str) -> None:
+    new_sequence = (native if module == "native" else py).new_sequence
     rng = random.Random(5)
     handoff = DisaggregatedParams(prefill_worker_id=7, block_hashes=[1, 2])
     lists: list[list[int]] = []  # every list a sequence appends to: none shared by two
@@ -119,6 +123,77 @@ def test_new_sequence_builds_what_the_dataclass_builds() -> None:
             got.unique_blocks,
         ]
     assert len({id(x) for x in lists}) == len(lists)
+
+
+def test_new_sequence_is_the_native_one_where_built(native: ModuleType) -> None:
+    assert new_sequence is native.new_sequence or new_sequence is py.new_sequence
+
+
+def both(call: Any, native: ModuleType) -> tuple[Any, Any]:
+    """``call(new_sequence)``'s result, or its error's type and text, for both versions."""
+    out = []
+    for impl in (native, py):
+        try:
+            seq = call(impl.new_sequence)
+            out.append(tuple((f.name, getattr(seq, f.name)) for f in fields(Sequence)))
+        except Exception as exc:  # noqa: BLE001 (the error itself is compared)
+            out.append((type(exc), str(exc)))
+    return out[0], out[1]
+
+
+def test_new_sequence_refuses_and_takes_unusual_calls_as_python_does(native: ModuleType) -> None:
+    tokens = list(range(100, 140))
+    cfg = Limits("agg", 4)
+    refusals = [
+        (cfg, [], {}),  # an empty prompt
+        (Limits("agg", 4, max_model_len=40), tokens, {}),  # no room in the context
+        (cfg, tokens, {"max_tokens": 0}),
+        (cfg, tokens, {"max_tokens": 9_961}),  # beyond the context
+        (cfg, tokens, {"min_tokens": 9}),  # above max_tokens
+        (Limits("agg", 4, num_gpu_blocks=10), tokens, {}),  # beyond the KV pool
+        (Limits("agg", 4, enable_chunked_prefill=False, max_num_batched_tokens=39), tokens, {}),
+    ]
+    for config, prompt, extra in refusals:
+        kw: dict[str, Any] = {"max_tokens": 8} | extra
+        got, want = both(lambda f: f(config, prompt, "r", 0.0, **kw), native)  # noqa: B023
+        assert got == want and want[0] is InvalidArgument, (extra, want)
+    unusual: list[tuple[Any, Any, dict[str, Any]]] = [
+        (cfg, tuple(tokens), {}),  # not a list: copied into one
+        (cfg, tokens, {"max_tokens": True}),  # an int subclass
+        (cfg, tokens, {"max_tokens": 8.0, "min_tokens": 2.0}),
+        (cfg, tokens, {"max_tokens": None}),  # the context's room
+        (cfg, tokens, {"seed_id": b"x"}),  # not a str: the Python error
+        (cfg, tokens, {"seed_id": ""}),  # falsy: the request id seeds
+        (cfg, tokens, {"seed": -1}),  # masked to 64 bits
+        (cfg, tokens, {"seed": "s"}),
+        (cfg, tokens, {"stop_token_ids": [[1]]}),  # unhashable
+        (cfg, tokens, {"eos_token_ids": 5}),  # not iterable
+        (cfg, tokens, {"stop_token_ids": range(3), "eos_token_ids": {4}, "ignore_eos": 1}),
+        (cfg, tokens, {"lora_name": ""}),  # falsy: the default seed
+        (cfg, tokens, {"hashes": [[1] * 10, [2] * 10]}),  # not a tuple
+        (cfg, tokens, {"hashes": ([1] * 10, [2] * 10)}),
+        (cfg, tokens, {"hashes": ("x" * 10, "y")}),  # any sized things, handed over
+        (cfg, tokens, {"hashes": (5, 6)}),  # no len()
+        (cfg, tokens, {"unknown": 1}),
+        (Limits("agg", 0), tokens, {}),  # a block size of 0
+        (Limits("agg", 4.0), tokens, {}),  # type: ignore[arg-type]
+        (Limits(None, 4), tokens, {}),  # type: ignore[arg-type]
+        (Limits("agg", 4, enable_chunked_prefill=None), tokens, {}),
+        (Limits("agg", 4, max_model_len=1 << 70), tokens, {}),
+        (object(), tokens, {}),  # no limits at all
+    ]
+    for config, prompt, extra in unusual:
+        kw = {"max_tokens": 8} | extra
+        got, want = both(lambda f: f(config, prompt, "r", 0.5, **kw), native)  # noqa: B023
+        assert got == want, extra
+    got, want = both(lambda f: f(cfg, tokens, 7, 0.0, max_tokens=8), native)  # an int id
+    assert got == want
+    got, want = both(lambda f: f(cfg, tokens, "r", 0.0, 8), native)  # type: ignore[misc]
+    assert got == want and want[0] is TypeError
+    got, want = both(
+        lambda f: f(config=cfg, token_ids=tokens, request_id="r", now=0.0, max_tokens=8), native
+    )
+    assert got == want and want[0] is not TypeError
 
 
 @dataclass(slots=True)
