@@ -234,23 +234,23 @@ class _GenerateTrace:
         ids = output.token_ids
         if ids:
             self.tokens += len(ids)
-            if self.per_chunk or self.first_at is None:
-                self._timing(output)
+            if self.first_at is None:
+                self._first(output)
+            elif self.per_chunk:  # inline: a call less per chunk
+                now = time.monotonic()
+                self.itls.append((now - self.last_at) * 1000.0)
+                self.last_at = now
         if output.finish_reason is not None:
             self.reason = output.finish_reason.value
             if output.finish_reason is FinishReason.ERROR:
                 self.error("EngineError", output.error or "engine error")
 
-    def _timing(self, output: LLMEngineOutput) -> None:
-        now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-            self.span.set_attribute("ttft_ms", (now - self.started) * 1000.0)
-            if self.per_chunk:
-                output.worker_trace_link = tracing.link_of(self.span)
-        else:
-            self.itls.append((now - self.last_at) * 1000.0)
-        self.last_at = now
+    def _first(self, output: LLMEngineOutput) -> None:
+        """The first chunk with tokens: the TTFT, and the stream's link while recording."""
+        now = self.first_at = self.last_at = time.monotonic()
+        self.span.set_attribute("ttft_ms", (now - self.started) * 1000.0)
+        if self.per_chunk:
+            output.worker_trace_link = tracing.link_of(self.span)
 
     def error(self, kind: str, message: str) -> None:
         self.span.set_attribute("error_kind", kind)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from dynamo.observability.recording import UNSET_STATUS, RecordedSpan
 
@@ -187,8 +188,9 @@ def encode_span(span: RecordedSpan) -> bytes:
         b"\x12\x08",  # 2: span_id, 8 bytes
         ctx[1].to_bytes(8, "big"),
     ]
-    if ctx[4]:
-        out.append(_ld(_T3, ctx[4].to_header().encode()))
+    state = ctx[4]
+    if state is not DEFAULT_TRACE_STATE and state:  # (a TraceState's len() is a Python call)
+        out.append(_ld(_T3, state.to_header().encode()))
     if parent is not None:
         out.append(b"\x22\x08")  # 4: parent_span_id
         out.append(parent[1].to_bytes(8, "big"))

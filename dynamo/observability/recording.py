@@ -35,6 +35,7 @@ from dynamo.observability.span_context import (
     SPAN_TYPES,
     UNSAMPLED,
     SpanScope,
+    new_span_context,
     parent_of,
     span_context,
 )
@@ -207,7 +208,7 @@ class RecordingTracer(trace.Tracer):
         span_id = _random.getrandbits(64) or 1
         if not sampled:
             return NonRecordingSpan(span_context(trace_id, span_id, False, UNSAMPLED, state))
-        ctx = span_context(trace_id, span_id, False, SAMPLED, state)
+        ctx = new_span_context((trace_id, span_id, False, SAMPLED, state, True))
         start = time.time_ns() if start_time is None else start_time
         return RecordedSpan(name, ctx, parent, kind, attributes, links, start, self._sink)
 

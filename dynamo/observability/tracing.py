@@ -13,7 +13,8 @@ latencies on ``engine.generate``) happens only while spans are exported somewher
 (:func:`recording`): otherwise nobody would read it.
 
 The trace context crosses the request plane in ``PreprocessedRequest.traceparent`` (a W3C
-``traceparent`` header value): :func:`traceparent` writes it, :func:`parent_context` reads it.
+``traceparent`` header value): :func:`traceparent` writes it, :func:`remote_parent` (the
+worker's spans, :func:`start_child`) and :func:`parent_context` read it.
 
 Cross-worker links (prefill -> decode, a migrated attempt -> the previous one): the worker stamps
 its ``engine.generate`` span's ids on the first chunk it sends (``LLMEngineOutput.
@@ -28,7 +29,7 @@ import atexit
 import os
 import random
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +42,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import INVALID_SPAN, Link, NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from dynamo.observability import otlp
 from dynamo.observability.recording import RecordedSpan, RecordingTracer, Sampler
@@ -50,6 +52,7 @@ from dynamo.observability.span_context import (
     SpanScope,
     attach,
     detach,
+    new_span_context,
     parent_of,
     remote_context,
     span_context,
@@ -248,7 +251,10 @@ class _LocalTracer(trace.Tracer):
             trace_id, flags = parent[0], parent[3]
         else:
             trace_id, flags = _random.getrandbits(128) or 1, SAMPLED
-        return NonRecordingSpan(span_context(trace_id, _random.getrandbits(64) or 1, False, flags))
+        span_id = _random.getrandbits(64) or 1
+        return NonRecordingSpan(
+            new_span_context((trace_id, span_id, False, flags, DEFAULT_TRACE_STATE, True))
+        )
 
     def start_as_current_span(  # type: ignore[override]
         self,
@@ -398,9 +404,8 @@ def use(span: Span) -> Iterator[None]:
         detach(token)
 
 
-def in_span(span: Span) -> Context:
-    """A context whose current span is ``span`` (the parent of explicitly started children)."""
-    return with_span(span)
+in_span: Callable[[Span], Context] = with_span
+"""A context whose current span is ``span`` (the parent of explicitly started children)."""
 
 
 __all__ = [

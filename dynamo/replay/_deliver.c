@@ -56,9 +56,33 @@ minus(PyObject *a, PyObject *b)
     return PyNumber_Subtract(a, b);
 }
 
+/* The last gap computed in this call and the ``last_token_at`` it was computed from (strong
+ * references): a decode pass's requests mostly had their previous token at the same instant,
+ * the rank's previous pass end, stored in each as the same float object, so their gaps are the
+ * same float and one object serves them all (the values are what each subtraction gives;
+ * floats are immutable). Fewer objects allocated a token, and the ITL lists, read back by the
+ * report, point at a few shared floats instead of one each. */
+typedef struct {
+    PyObject *last, *gap;
+} GapCache;
+
+/* ``now - last`` for a gap: the cached object when ``last`` is the cached instant itself. */
+static PyObject *
+gap_of(GapCache *cache, PyObject *now, PyObject *last)
+{
+    if (last == cache->last)
+        return Py_NewRef(cache->gap);
+    PyObject *gap = minus(now, last);
+    if (gap != NULL && PyFloat_CheckExact(last) && PyFloat_CheckExact(gap)) {
+        Py_XSETREF(cache->last, Py_NewRef(last));
+        Py_XSETREF(cache->gap, Py_NewRef(gap));
+    }
+    return gap;
+}
+
 /* One token of ``flight`` at ``now``: 1 if it was the first, 0 if not, -1 on error. */
 static int
-one_token(PyObject *flight, PyObject *now)
+one_token(PyObject *flight, PyObject *now, GapCache *cache)
 {
     int first = 0;
     PyObject *record = dyn_slots_get(&flight_slots, flight, FL_RECORD);
@@ -82,7 +106,7 @@ one_token(PyObject *flight, PyObject *now)
         PyObject *last = dyn_slots_get(&flight_slots, flight, FL_LAST_TOKEN_AT);
         if (last == NULL)
             goto fail;
-        PyObject *gap = minus(now, last);
+        PyObject *gap = gap_of(cache, now, last);
         Py_DECREF(last);
         if (gap == NULL)
             goto fail;
@@ -141,6 +165,7 @@ deliver(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *now = args[2]; /* stored as is in every flight, as ``= now`` does */
     PyObject *firsts = NULL;
+    GapCache cache = {NULL, NULL};
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tokens); i++) {
         PyObject *item = PyList_GET_ITEM(tokens, i);
         if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) {
@@ -159,7 +184,7 @@ deliver(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             continue; /* abandoned while the pass ran */
         }
         Py_INCREF(flight); /* the dict may change under a setattr's side effects */
-        int first = one_token(flight, now);
+        int first = one_token(flight, now, &cache);
         if (first == 1) {
             if (firsts == NULL && (firsts = PyList_New(0)) == NULL)
                 first = -1;
@@ -170,10 +195,14 @@ deliver(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (first < 0)
             goto fail;
     }
+    Py_XDECREF(cache.last);
+    Py_XDECREF(cache.gap);
     if (firsts == NULL)
         Py_RETURN_NONE;
     return firsts;
 fail:
+    Py_XDECREF(cache.last);
+    Py_XDECREF(cache.gap);
     Py_XDECREF(firsts);
     return NULL;
 }

@@ -23,21 +23,31 @@ from typing import TYPE_CHECKING, Any
 from dynamo import native
 from dynamo.protocol.kv_events import KVCacheEvent
 from dynamo.router.approx import ApproxIndex
-from dynamo.router.block_counts import prefix_key_bytes
+from dynamo.router.block_counts import new_blocks_of_keys, prefix_key_bytes
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
-from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.router.sequences import (
+    ActiveSequences,
+    DuplicateRequest,
+    UnknownWorkerRank,
+    add_routed,
+    free,
+    mark_prefill_completed,
+)
 from dynamo.runtime.errors import NoInstances
 
 _kernel = native.load("dynamo.router._route", "dynamo.router._route_fallback")
 ROUTE_IMPLEMENTATION: str = _kernel.__name__
 """The route kernel in use (``dynamo.router._route`` or ``dynamo.router._route_fallback``)."""
+_recorder = native.load("dynamo.router._route_record", "dynamo.router._route_record_fallback")
 if TYPE_CHECKING:
     from dynamo.router._route import choose as _choose
+    from dynamo.router._route_record import RouteRecorder
 else:
     _choose = _kernel.choose
+    RouteRecorder = _recorder.RouteRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,7 @@ class RoutingCore:
         self._targets: list[tuple[WorkerSpec, int]] = []  # every (worker, rank), in join order
         self._target_keys: list[tuple[int, int]] = []  # their (worker_id, rank), same order
         self._target_index: dict[tuple[int, int], int] = {}  # a key's place in _target_keys
+        self._recorder: RouteRecorder | None = None  # the common request in one call (_choose)
 
     # -- membership ------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> bool:
@@ -177,6 +188,14 @@ class RoutingCore:
         if prefix_keys is None and self._kv_reuse:
             prefix_keys = prefix_key_bytes(seqs)
         if self._one_call and targets is self._targets:  # the common request: one kernel call
+            recorder = self._recorder
+            if recorder is not None and overlaps is None and prefix_keys is not None:
+                chosen = recorder.route(
+                    request_id, local_hashes, seqs, isl_tokens, prefix_keys, record
+                )
+                if chosen is not None:
+                    return chosen  # type: ignore[no-any-return]
+                self._recorder = None  # the ranks changed: _choose routes and builds anew
             return self._choose(
                 request_id, local_hashes, seqs, isl_tokens, overlaps, prefix_keys, record
             )
@@ -233,11 +252,11 @@ class RoutingCore:
 
     def prefill_completed(self, request_id: str) -> bool:
         """First token seen: the request's prefill tokens leave its rank's load."""
-        return self.sequences.mark_prefill_completed(request_id)
+        return mark_prefill_completed(self.sequences, request_id)  # its method, no frame
 
     def free(self, request_id: str) -> bool:
         """The request ended: everything it held leaves its rank's load. Idempotent."""
-        return self.sequences.free(request_id)
+        return free(self.sequences, request_id)  # ActiveSequences.free, without its frame
 
     def saturated(
         self,
@@ -266,6 +285,7 @@ class RoutingCore:
 
     # -- internals -------------------------------------------------------------------------
     def _keys_changed(self) -> None:
+        self._recorder = None
         self._target_keys = [(w.worker_id, r) for w, r in self._targets]
         self._target_index = {key: i for i, key in enumerate(self._target_keys)}
 
@@ -323,6 +343,8 @@ class RoutingCore:
         sequences = self.sequences
         ranks, new, _ = sequences.rank_loads(seqs, keys, prefix_keys)
         bs = self.block_size
+        if key_of is not None and prefix_keys is not None and self._recorder is None:
+            self._recorder = self._new_recorder(ranks)
         i, overlap, costs = _choose(
             matches,
             key_of,
@@ -353,6 +375,30 @@ class RoutingCore:
         ):
             self.approx.record(worker_id, dp_rank, local_hashes, seqs)
         return chosen
+
+    def _new_recorder(self, ranks: list[Any]) -> RouteRecorder:
+        """The common request's one call for the current targets (``_route_record.pyi``),
+        valid while ``sequences.resolved`` stays the one ``ranks`` came with."""
+        assert self.indexer is not None
+        find, key_of = self.indexer.slot_finder()
+        return RouteRecorder(
+            find,
+            key_of,
+            self._target_index,
+            self._target_keys,
+            ranks,
+            [rank.blocks for rank in ranks],
+            self.sequences.resolved,
+            self.sequences,
+            add_routed,
+            new_blocks_of_keys,
+            _choose,
+            Selection,
+            self._cost_params,
+            self.rng,
+            self.settings.track_active_blocks,
+            self.block_size,
+        )
 
     def _select(
         self,

@@ -202,6 +202,11 @@ class KVIndexer:
         (worker_id, dp_rank) list to read the slots with (valid until the membership changes)."""
         return self._tree.find_matches(local_hashes), self._key_of
 
+    def slot_finder(self) -> tuple[Callable[[Sequence[int]], dict[int, int]], list[WorkerKey]]:
+        """:meth:`slot_matches`' two parts, to hold: the tree's ``find_matches`` and the live
+        slot -> key list."""
+        return self._tree.find_matches, self._key_of
+
     def remove_worker(self, worker_id: int) -> None:
         """Forget every rank of a worker (it left discovery): blocks, ids, recovery state."""
         for key in [k for k in self._ranks if k[0] == worker_id]:

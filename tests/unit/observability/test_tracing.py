@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from dynamo.backend.adapter import EngineAdapter, output_encoder
@@ -132,6 +133,30 @@ def test_parent_context_reads_what_the_w3c_propagator_reads(value: str) -> None:
     got = trace.get_current_span(tracing.parent_context(value))
     assert got.get_span_context() == expected.get_span_context()
     assert got.get_span_context().is_remote == expected.get_span_context().is_remote
+    # the worker's way (start_child under remote_parent): the same parent, or None if invalid
+    parent = tracing.remote_parent(value)
+    want = expected.get_span_context()
+    assert parent == (want if want.is_valid else None)
+    assert parent is None or parent.is_remote
+
+
+def test_start_child_continues_the_trace_a_traceparent_names(spans: SpanCapture) -> None:
+    """The worker's spans: ``start_child`` under ``remote_parent`` is ``start_span`` under
+    ``parent_context``, with no value the current span, and with none a new trace."""
+    child = tracing.start_child("child", tracing.remote_parent(PARENT), attributes={"a": 1})
+    child.end()
+    via_context = tracing.tracer().start_span("ctx", tracing.parent_context(PARENT))
+    via_context.end()
+    got, want = spans.one("child"), spans.one("ctx")
+    assert got.parent == want.parent and got.parent is not None and got.parent.is_remote
+    assert got.context.trace_id == want.context.trace_id == int(TRACE_ID, 16)
+    assert got.attributes == {"a": 1}
+    with tracing.tracer().start_as_current_span("outer") as outer:
+        inner = tracing.start_child("inner", tracing.remote_parent(None))
+    assert inner.get_span_context().trace_id == outer.get_span_context().trace_id
+    root = tracing.start_child("root", None)
+    assert root.get_span_context().trace_id != outer.get_span_context().trace_id
+    assert tracing.context_of(trace.INVALID_SPAN) is None
 
 
 def test_unknown_otlp_protocol_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,6 +124,22 @@ def test_first_token_then_gaps(impl: ModuleType) -> None:
     assert impl.deliver([], {"a": flight}, 3.0) is None
 
 
+def test_gaps_from_one_instant_share_one_float(impl: ModuleType) -> None:
+    """Requests whose previous token came at the same instant (stored as one object) get gaps
+    of the same value; the native module hands them one float object (the twin, equal ones)."""
+    records = [RequestRecord(start=0.0, max_tokens=4, expected_prompt_tokens=2) for _ in range(4)]
+    flights = [SlotFlight(r) for r in records]
+    seqs = [SlotSeq(str(i)) for i in range(4)]
+    by_id = {s.request_id: f for s, f in zip(seqs, flights, strict=True)}
+    impl.deliver([(s, 1) for s in seqs[:3]], by_id, 0.5)  # three first tokens at 0.5
+    impl.deliver([(seqs[3], 1)], by_id, 0.7)  # the fourth's at 0.7
+    impl.deliver([(s, 2) for s in seqs], by_id, 1.1)
+    gaps = [r.itl[0] for r in records]
+    assert gaps == [1.1 - 0.5] * 3 + [1.1 - 0.7]
+    if impl is not py:
+        assert gaps[0] is gaps[1] is gaps[2] and gaps[3] is not gaps[0]
+
+
 def test_errors(impl: ModuleType) -> None:
     with pytest.raises((TypeError, ValueError)):
         impl.deliver([(SlotSeq("a"), 1, 2)], {}, 1.0)
