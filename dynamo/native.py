@@ -8,7 +8,8 @@ they cannot be built:
   KV router's cost per candidate), ``router._route`` (the KV router's choice among all of its
   targets in one call), ``router._apply_raw`` (the KV indexer's in-order raw events buffer:
   the id check, the tree's call and the counters in one call), ``router._route_record`` (the
-  KV router's common request routed and recorded in one call), ``router._radix`` (the KV
+  KV router's common request routed and recorded in one call), ``router._active`` (a
+  request's load into and out of ``ActiveSequences``), ``router._radix`` (the KV
   prefix tree: a native table of blocks; the fallback keeps path-compressed runs),
   ``runtime._sender`` (write-behind), ``engine_core._pass`` and ``engine_core._kv`` (the
   scheduler pass's loops and the KV manager: a native table; the fallback keeps Python

@@ -3,7 +3,7 @@
  * 0, no busy thresholds, the index's exact matches, the load accounting's prefix keys) routed and
  * recorded in one call: the index's matches by slot, the request's new blocks on each target,
  * the route kernel's choice (``_route.choose``), the ``Selection`` and the record on the chosen
- * rank (``ActiveSequences.add_routed``). ``RoutingCore.route`` (router/core.py) keeps one
+ * rank (``ActiveSequences.add_routed``, as the function ``sequences.add_routed``). ``RoutingCore.route`` (router/core.py) keeps one
  * ``RouteRecorder`` per membership, live and in the offline replay.
  *
  * Why native: the same glue in Python (``RoutingCore._choose``: the argument checks, the slot
@@ -23,15 +23,13 @@
 
 static const char *const seq_fields[] = {"_columns_for"};
 static DynSlots seq_slots = DYN_SLOTS_OF(seq_fields);
-static PyObject *str_add_routed;
 
-enum { N_HELD = 15 };
+enum { N_HELD = 16, TRACK = 14 };
 typedef struct {
     PyObject_HEAD
     /* in the constructor's order */
-    PyObject *find, *key_of, *place_of, *keys, *ranks, *tables, *resolved, *sequences;
+    PyObject *find, *key_of, *place_of, *keys, *ranks, *tables, *resolved, *sequences, *add;
     PyObject *new_blocks, *choose, *selection, *params, *rng, *track, *bs;
-    PyObject *add; /* sequences.add_routed, bound */
     long long block_size;
 } Recorder;
 
@@ -45,10 +43,10 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "RouteRecorder takes positional arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!OOOOOO!OOO:RouteRecorder", &a[0], &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!OOOOOOO!OOO:RouteRecorder", &a[0], &PyList_Type,
                           &a[1], &PyDict_Type, &a[2], &PyList_Type, &a[3], &PyList_Type, &a[4],
-                          &PyList_Type, &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &PyTuple_Type,
-                          &a[11], &a[12], &a[13], &a[14]))
+                          &PyList_Type, &a[5], &a[6], &a[7], &a[8], &a[9], &a[10], &a[11],
+                          &PyTuple_Type, &a[12], &a[13], &a[14], &a[15]))
         return -1;
     Py_ssize_t n = PyList_GET_SIZE(a[4]);
     if (n == 0 || PyList_GET_SIZE(a[3]) != n || PyList_GET_SIZE(a[5]) != n) {
@@ -56,23 +54,19 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
                         "keys, ranks and tables: one each per target, at least one");
         return -1;
     }
-    long long bs = PyLong_AsLongLong(a[14]);
+    long long bs = PyLong_AsLongLong(a[15]);
     if (bs == -1 && PyErr_Occurred())
         return -1;
     if (bs <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be > 0");
         return -1;
     }
-    int track = PyObject_IsTrue(a[13]);
+    int track = PyObject_IsTrue(a[TRACK]);
     if (track < 0)
-        return -1;
-    PyObject *add = PyObject_GetAttr(a[7], str_add_routed);
-    if (add == NULL)
         return -1;
     PyObject **held = HELD(self);
     for (int k = 0; k < N_HELD; k++)
-        Py_XSETREF(held[k], Py_NewRef(k == 13 ? (track ? Py_True : Py_False) : a[k]));
-    Py_XSETREF(self->add, add);
+        Py_XSETREF(held[k], Py_NewRef(k == TRACK ? (track ? Py_True : Py_False) : a[k]));
     self->block_size = bs;
     return 0;
 }
@@ -83,7 +77,6 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
     PyObject **held = HELD(self);
     for (int k = 0; k < N_HELD; k++)
         Py_VISIT(held[k]);
-    Py_VISIT(self->add);
     return 0;
 }
 
@@ -93,7 +86,6 @@ Recorder_clear(Recorder *self)
     PyObject **held = HELD(self);
     for (int k = 0; k < N_HELD; k++)
         Py_CLEAR(held[k]);
-    Py_CLEAR(self->add);
     return 0;
 }
 
@@ -200,9 +192,10 @@ Recorder_route(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
     if (chosen == NULL)
         goto done;
     if (record) {
-        PyObject *add_args[6] = {request_id, PyList_GET_ITEM(self->ranks, i), seqs, isl,
-                                 overlap,    prefix_keys};
-        PyObject *added = PyObject_Vectorcall(self->add, add_args, 6, NULL);
+        PyObject *add_args[7] = {self->sequences, request_id, PyList_GET_ITEM(self->ranks, i),
+                                 seqs,            isl,        overlap,
+                                 prefix_keys};
+        PyObject *added = PyObject_Vectorcall(self->add, add_args, 7, NULL);
         if (added == NULL)
             goto done;
         Py_DECREF(added);
@@ -247,8 +240,6 @@ PyInit__route_record(void)
     if (PyType_Ready(&RecorderType) < 0)
         return NULL;
     if (dyn_slots_init(&seq_slots) < 0)
-        return NULL;
-    if ((str_add_routed = PyUnicode_InternFromString("add_routed")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

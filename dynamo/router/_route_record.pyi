@@ -14,9 +14,10 @@ class RouteRecorder:
     (slot -> key, live), ``place_of`` (key -> place), ``keys`` / ``ranks`` / ``tables`` (each
     target's key, ``ActiveSequences`` rank and its block table, in order; at least one),
     ``resolved`` (``sequences.resolved`` when ``ranks`` were resolved: the recorder serves while
-    it is still that object), ``sequences`` (its ``add_routed`` records), ``new_blocks_of_keys``
-    (``block_counts``'), ``choose`` (``_route.choose``), ``selection`` (``Selection``), and the
-    kernel's ``params``, ``rng``, ``track_blocks`` and ``block_size`` (> 0)."""
+    it is still that object), ``sequences`` and ``add_routed`` (the function
+    ``sequences.add_routed``: it records), ``new_blocks_of_keys`` (``block_counts``'),
+    ``choose`` (``_route.choose``), ``selection`` (``Selection``), and the kernel's
+    ``params``, ``rng``, ``track_blocks`` and ``block_size`` (> 0)."""
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class RouteRecorder:
         tables: list[Any],
         resolved: object,
         sequences: Any,
+        add_routed: Callable[..., bool],
         new_blocks_of_keys: Callable[[list[Any], bytes], list[int]],
         choose: Callable[..., tuple[int, int, list[float]]],
         selection: Callable[..., Any],
@@ -48,7 +50,7 @@ class RouteRecorder:
         """``RoutingCore._choose`` of the request: ``choose`` over the matches of
         ``local_hashes`` (none if it is empty) and the new blocks of ``prefix_keys`` on each
         table, the ``selection(worker_id, dp_rank, cost, overlap, cached_tokens, keys, costs)``
-        of its choice, and (``record``) ``sequences.add_routed(request_id, rank, seq_hashes,
+        of its choice, and (``record``) ``add_routed(sequences, request_id, rank, seq_hashes,
         isl_tokens, overlap, prefix_keys)`` on the chosen rank. None, with nothing done or
         drawn, when ``sequences.resolved`` is no longer ``resolved`` or ``isl_tokens`` is not
         an exact int within ±2**40 (the caller routes in Python). The callees' errors

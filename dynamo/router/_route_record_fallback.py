@@ -43,6 +43,7 @@ class RouteRecorder:
         tables: list[Any],
         resolved: object,
         sequences: Any,
+        add_routed: Callable[..., bool],
         new_blocks_of_keys: Callable[[list[Any], bytes], list[int]],
         choose: Callable[..., tuple[int, int, list[float]]],
         selection: Callable[..., Any],
@@ -63,7 +64,7 @@ class RouteRecorder:
         self._find, self._key_of, self._place_of = find_matches, key_of, place_of
         self._keys, self._ranks, self._tables = keys, ranks, tables
         self._resolved, self._sequences = resolved, sequences
-        self._add = sequences.add_routed
+        self._add = add_routed
         self._new_blocks, self._choose, self._selection = new_blocks_of_keys, choose, selection
         self._params, self._rng, self._track = params, rng, bool(track_blocks)
         self._bs = block_size
@@ -101,5 +102,14 @@ class RouteRecorder:
         cached = min(overlap * bs, max(isl_tokens, 0))
         chosen = self._selection(worker_id, dp_rank, costs[i], overlap, cached, keys, costs)
         if record:
-            self._add(request_id, self._ranks[i], seq_hashes, isl_tokens, overlap, prefix_keys)
+            add = self._add
+            add(
+                self._sequences,
+                request_id,
+                self._ranks[i],
+                seq_hashes,
+                isl_tokens,
+                overlap,
+                prefix_keys,
+            )
         return chosen

@@ -28,7 +28,14 @@ from dynamo.router.config import KVRouterSettings
 from dynamo.router.hashing import sequence_hashes
 from dynamo.router.indexer import EventStatus, KVIndexer
 from dynamo.router.selector import Candidate, Selection, choose, column_costs, select_worker
-from dynamo.router.sequences import ActiveSequences, DuplicateRequest, UnknownWorkerRank
+from dynamo.router.sequences import (
+    ActiveSequences,
+    DuplicateRequest,
+    UnknownWorkerRank,
+    add_routed,
+    free,
+    mark_prefill_completed,
+)
 from dynamo.runtime.errors import NoInstances
 
 _kernel = native.load("dynamo.router._route", "dynamo.router._route_fallback")
@@ -245,11 +252,11 @@ class RoutingCore:
 
     def prefill_completed(self, request_id: str) -> bool:
         """First token seen: the request's prefill tokens leave its rank's load."""
-        return self.sequences.mark_prefill_completed(request_id)
+        return mark_prefill_completed(self.sequences, request_id)  # its method, no frame
 
     def free(self, request_id: str) -> bool:
         """The request ended: everything it held leaves its rank's load. Idempotent."""
-        return self.sequences.free(request_id)
+        return free(self.sequences, request_id)  # ActiveSequences.free, without its frame
 
     def saturated(
         self,
@@ -383,6 +390,7 @@ class RoutingCore:
             [rank.blocks for rank in ranks],
             self.sequences.resolved,
             self.sequences,
+            add_routed,
             new_blocks_of_keys,
             _choose,
             Selection,

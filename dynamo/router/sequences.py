@@ -17,17 +17,32 @@ import operator
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynamo.router.block_counts import BlockCounts, new_blocks, new_blocks_of_keys, prefix_key_bytes
+from dynamo import native
+from dynamo.router.block_counts import BlockCounts, new_blocks, new_blocks_of_keys
 from dynamo.router.loads import ActiveLoad, LoadProjection, PotentialLoad
 from dynamo.router.sequences_check import check_sequences
 
 log = logging.getLogger(__name__)
 
+# a request's load in and out (add_routed, mark_prefill_completed, free): C, or its Python twin
+_active = native.load("dynamo.router._active", "dynamo.router._active_fallback")
+ACTIVE_IMPLEMENTATION: str = _active.__name__
+if TYPE_CHECKING:
+    from dynamo.router._active import add_routed, free, mark_prefill_completed
+else:
+    add_routed, free, mark_prefill_completed = (
+        _active.add_routed,
+        _active.free,
+        _active.mark_prefill_completed,
+    )
+
 __all__ = ["ActiveLoad", "ActiveSequences", "DuplicateRequest", "LoadProjection"]
-__all__ += ["PotentialLoad", "UnknownWorkerRank", "WorkerRank"]
+__all__ += ["PotentialLoad", "UnknownWorkerRank", "WorkerRank", "add_routed", "free"]
+__all__ += ["mark_prefill_completed"]
 
 WorkerRank = tuple[int, int]
 """``(worker_id, dp_rank)``."""
@@ -257,58 +272,23 @@ class ActiveSequences:
     ) -> bool:
         """``add_request`` on a rank of :meth:`rank_loads` (the router's choice: no lookup);
         False, changing nothing, if the id is already active."""
-        if request_id in self._requests:
-            return False
-        now = self._clock()
-        if now >= self._next_check:
-            self.expire_stale(now)
-        prefill = new_isl_tokens - overlap_blocks * self._block_size
-        if prefill < 0:
-            prefill = 0
-        if self._assume_kv_reuse:
-            keys = prefix_key_bytes(sequence_hashes) if prefix_keys is None else prefix_keys
-            rank.blocks.add_prefix_keys(keys)
-            private = 0
-        else:
-            keys = b""
-            private = len(sequence_hashes)
-            rank.private_blocks += private
-        rank.prefill_tokens += prefill
-        rank.num_requests += 1
-        self._stale[rank.column] = rank
-        self._requests[request_id] = _Request(rank, keys, private, prefill, now)
-        return True
+        return add_routed(
+            self, request_id, rank, sequence_hashes, new_isl_tokens, overlap_blocks, prefix_keys
+        )
 
     def mark_prefill_completed(self, request_id: str) -> bool:
         """The request's first token was seen: its prefill tokens leave; its blocks stay.
 
         Returns False for an unknown request; a repeat is a no-op that returns True.
         """
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        if req.prefill_tokens:
-            req.rank.prefill_tokens -= req.prefill_tokens
-            req.prefill_tokens = 0
-            self._stale[req.rank.column] = req.rank
-        return True
+        return mark_prefill_completed(self, request_id)
 
     def free(self, request_id: str) -> bool:
         """The request ended (finished, failed or cancelled): release everything it held.
 
         Returns False (and does nothing) for an unknown request.
         """
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
-        rank = req.rank
-        self._stale[rank.column] = rank
-        rank.prefill_tokens -= req.prefill_tokens
-        rank.num_requests -= 1
-        rank.private_blocks -= req.private_blocks
-        if req.keys:
-            rank.blocks.remove_prefix_keys(req.keys)
-        return True
+        return free(self, request_id)
 
     def expire_stale(self, now: float | None = None) -> list[str]:
         """Free every request added more than ``expiry_s`` ago; returns their ids."""

@@ -20,6 +20,7 @@ from dynamo.router.config import KVRouterSettings
 from dynamo.router.core import RoutingCore, WorkerSpec
 from dynamo.router.hashing import local_block_hashes, sequence_hashes
 from dynamo.router.selector import Selection
+from dynamo.router.sequences import add_routed
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def recorder_of(module: ModuleType | None) -> Any:
             [rank.blocks for rank in ranks],
             core.sequences.resolved,
             core.sequences,
+            add_routed,
             new_blocks_of_keys,
             core_module._choose,  # noqa: SLF001
             Selection,
@@ -142,8 +144,8 @@ def test_refusals(native: ModuleType, which: str) -> None:
     assert rec.route("c", [], [], 8, b"", True) is None and core.rng.getstate() == state0
     with pytest.raises(ValueError, match="one each per target"):
         module.RouteRecorder(
-            print, [], {}, [], [], [], None, core.sequences, print, native_choose, Selection,
-            (1.0, 1.0, 0.0, 0.0, True), random.Random(), True, 4,
+            print, [], {}, [], [], [], None, core.sequences, add_routed, print, native_choose,
+            Selection, (1.0, 1.0, 0.0, 0.0, True), random.Random(), True, 4,
         )  # fmt: skip
     with pytest.raises(TypeError):
-        module.RouteRecorder(*([None] * 15))
+        module.RouteRecorder(*([None] * 16))
