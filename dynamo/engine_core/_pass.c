@@ -163,10 +163,29 @@ get_ssize(PyObject *seq, int f, Py_ssize_t *out)
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* The int objects of the token counts the pass writes (``num_computed_tokens`` after every
+ * step, ``prefill_end``, ``num_cached_tokens``), made once a value and shared, as CPython shares
+ * the small ints: a decode step's new count was an allocation, and the old one's freeing, per
+ * sequence and pass. Bounded (COUNT_INTS values, ~32 bytes each, for the module's life). */
+#define COUNT_INTS 16384
+static PyObject *count_ints[COUNT_INTS];
+
+/* ``int(n)`` (new reference), or NULL with an exception. */
+static PyObject *
+count_int(Py_ssize_t n)
+{
+    if (n < 0 || n >= COUNT_INTS)
+        return PyLong_FromSsize_t(n);
+    PyObject *v = count_ints[n];
+    if (v == NULL && (v = count_ints[n] = PyLong_FromSsize_t(n)) == NULL)
+        return NULL;
+    return Py_NewRef(v);
+}
+
 static int
 put_ssize(PyObject *seq, int f, Py_ssize_t n)
 {
-    return put_new(seq, f, PyLong_FromSsize_t(n));
+    return put_new(seq, f, count_int(n));
 }
 
 /* The truth of a field: 1, 0, or -1 on error. */
@@ -957,7 +976,7 @@ allocate(Pass *ps, PyObject *seq)
             Py_DECREF(handoff);
             goto done;
         }
-        value = has ? PyObject_GetAttr(handoff, s_num_cached_tokens) : PyLong_FromSsize_t(computed);
+        value = has ? PyObject_GetAttr(handoff, s_num_cached_tokens) : count_int(computed);
         Py_DECREF(handoff);
         if (put_new(seq, F_NUM_CACHED_TOKENS, value) < 0)
             goto done;
