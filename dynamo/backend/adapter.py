@@ -261,16 +261,20 @@ class _GenerateTrace:
         if log.isEnabledFor(logging.DEBUG):
             with tracing.use(span):
                 log.debug("engine.generate done: %d tokens, %s", self.tokens, self.reason)
-        span.set_attribute("output_tokens", self.tokens)
-        span.set_attribute("cancelled", cancelled)
-        if self.reason is not None:
-            span.set_attribute("finish_reason", self.reason)
-        itls = self.itls
-        if itls:
-            itls.sort()
-            n = len(itls)
-            span.set_attribute("avg_itl_ms", sum(itls) / n)
-            span.set_attribute("itl_p50_ms", itls[(n - 1) // 2])
-            span.set_attribute("itl_p99_ms", itls[min(n - 1, int(n * 0.99))])
-            span.set_attribute("itl_max_ms", itls[-1])
+        if span.is_recording():  # a local span keeps no attributes: none are built for it
+            attributes: dict[str, str | int | float] = {
+                "output_tokens": self.tokens,
+                "cancelled": cancelled,
+            }
+            if self.reason is not None:
+                attributes["finish_reason"] = self.reason
+            itls = self.itls
+            if itls:
+                itls.sort()
+                n = len(itls)
+                attributes["avg_itl_ms"] = sum(itls) / n
+                attributes["itl_p50_ms"] = itls[(n - 1) // 2]
+                attributes["itl_p99_ms"] = itls[min(n - 1, int(n * 0.99))]
+                attributes["itl_max_ms"] = itls[-1]
+            span.set_attributes(attributes)
         span.end()

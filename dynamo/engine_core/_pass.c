@@ -642,11 +642,14 @@ promote_direct(PyObject *kv, PyObject *seq, PyObject *chain, PyObject *locals, P
 typedef struct {
     PyObject **seq; /* strong references */
     Py_ssize_t *n;  /* -1: removed (its sequence was preempted) */
+    Py_ssize_t *ctx; /* a decode's tokens (its context), -1 for a prefill chunk: the batch's
+                      * figures without reading the sequence again (nothing changes it between
+                      * its planning and the count, but a preemption, which removes it) */
     Py_ssize_t len, cap;
 } Plan;
 
 static int
-plan_add(Plan *p, PyObject *seq, Py_ssize_t n)
+plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx)
 {
     if (p->len == p->cap) {
         Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
@@ -662,9 +665,16 @@ plan_add(Plan *p, PyObject *seq, Py_ssize_t n)
             return -1;
         }
         p->n = c;
+        Py_ssize_t *x = PyMem_Realloc(p->ctx, (size_t)cap * sizeof *x);
+        if (x == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->ctx = x;
         p->cap = cap;
     }
     p->seq[p->len] = Py_NewRef(seq);
+    p->ctx[p->len] = ctx;
     p->n[p->len++] = n;
     return 0;
 }
@@ -690,6 +700,7 @@ plan_free(Plan *p)
         Py_DECREF(p->seq[i]);
     PyMem_Free(p->seq);
     PyMem_Free(p->n);
+    PyMem_Free(p->ctx);
 }
 
 typedef struct {
@@ -724,20 +735,30 @@ preempt(Pass *ps, Py_ssize_t index, PyObject *victim)
     return PyList_Append(ps->preempted, victim);
 }
 
+/* Schedule ``seq``, of ``ntok`` tokens of which ``computed`` are, for the rest, capped by the
+ * budget. */
+static int
+schedule_known(Pass *ps, PyObject *seq, Py_ssize_t ntok, Py_ssize_t computed,
+               Py_ssize_t prefill_end)
+{
+    Py_ssize_t n = ntok - computed, ctx = computed >= prefill_end ? ntok : -1;
+    if (n > ps->budget)
+        n = ps->budget;
+    if (plan_add(&ps->plan, seq, n, ctx) < 0)
+        return -1;
+    ps->budget -= n;
+    return 0;
+}
+
 /* Schedule ``seq`` for its uncomputed tokens, capped by the budget. */
 static int
 schedule_rest(Pass *ps, PyObject *seq)
 {
-    Py_ssize_t ntok = num_tokens(seq), computed;
-    if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+    Py_ssize_t ntok = num_tokens(seq), computed, prefill_end;
+    if (ntok < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
+        get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
         return -1;
-    Py_ssize_t n = ntok - computed;
-    if (n > ps->budget)
-        n = ps->budget;
-    if (plan_add(&ps->plan, seq, n) < 0)
-        return -1;
-    ps->budget -= n;
-    return 0;
+    return schedule_known(ps, seq, ntok, computed, prefill_end);
 }
 
 /* One running sequence, ``running[*i]`` on entry; *i is the next index on return. */
@@ -801,7 +822,7 @@ plan_one(Pass *ps, PyObject *seq, Py_ssize_t *i)
                 return still;
         }
     }
-    return schedule_rest(ps, seq);
+    return schedule_known(ps, seq, ntok, computed, prefill_end); /* growing changed none */
 }
 
 /* Admit ``seq``: its cached prefix found and blocks taken for all its tokens. 1: admitted;
@@ -1119,37 +1140,22 @@ schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
     Py_ssize_t prefill = 0, decodes = 0, context = 0, kept = 0;
     Plan *p = &ps->plan;
     for (Py_ssize_t k = 0; k < p->len; k++) {
-        Py_ssize_t n = p->n[k], computed, prefill_end;
+        Py_ssize_t n = p->n[k], ctx = p->ctx[k];
         PyObject *seq = p->seq[k];
+        p->seq[k] = NULL;
         if (n < 0) { /* preempted after it was planned: out of the batch */
-            p->seq[k] = NULL;
             Py_DECREF(seq);
             continue;
         }
-        p->seq[k] = NULL;
         p->seq[kept] = seq;
+        p->ctx[kept] = ctx;
         p->n[kept++] = n;
-        if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0 ||
-            get_ssize(seq, F_PREFILL_END, &prefill_end) < 0)
-            goto fail;
-        if (computed >= prefill_end) {
-            Py_ssize_t ntok = num_tokens(seq);
-            if (ntok < 0)
-                goto fail;
+        if (ctx >= 0) {
             decodes++;
-            context += ntok;
+            context += ctx;
         } else {
             prefill += n;
         }
-        continue;
-    fail: /* the entries not yet moved still hold their references */
-        for (Py_ssize_t j = k + 1; j < p->len; j++)
-            if (p->seq[j] != NULL) {
-                p->seq[kept] = p->seq[j];
-                p->n[kept++] = p->n[j];
-            }
-        p->len = kept;
-        return -1;
     }
     p->len = kept;
     figures[0] = prefill, figures[1] = decodes, figures[2] = context;
@@ -1295,14 +1301,12 @@ done:
 
 /* Sequence.finish_after: the reason (borrowed: length or stop) or NULL to go on; -1 on error. */
 static int
-finish_reason(PyObject *seq, Py_ssize_t ntok, PyObject *token, PyObject **reason)
+finish_reason(PyObject *seq, Py_ssize_t n, PyObject *token, PyObject **reason)
 {
-    Py_ssize_t prompt, max_tokens, min_tokens;
+    Py_ssize_t max_tokens, min_tokens; /* n: the output's tokens (num_output_tokens) */
     *reason = NULL;
-    if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &prompt) < 0 ||
-        get_ssize(seq, F_MAX_TOKENS, &max_tokens) < 0)
+    if (get_ssize(seq, F_MAX_TOKENS, &max_tokens) < 0)
         return -1;
-    Py_ssize_t n = ntok - prompt;
     if (n >= max_tokens) {
         *reason = fr_length;
         return 0;
@@ -1377,7 +1381,7 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
         return -1;
     }
     int rc = append_token(seq, output, nprompt, token, bs);
-    Py_ssize_t ntok = nprompt + PyList_GET_SIZE(output);
+    Py_ssize_t nout = PyList_GET_SIZE(output);
     Py_DECREF(output);
     if (rc < 0)
         return -1;
@@ -1387,7 +1391,7 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
         return -1;
     rc = PyList_Append(tokens_out, pair);
     Py_DECREF(pair);
-    if (rc < 0 || finish_reason(seq, ntok, token, &reason) < 0)
+    if (rc < 0 || finish_reason(seq, nout, token, &reason) < 0)
         return -1;
     if (reason != NULL) {
         if (put(seq, F_FINISH_REASON, reason) < 0 || put(seq, F_STATUS, st_finished) < 0 ||

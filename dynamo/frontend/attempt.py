@@ -39,8 +39,6 @@ from dynamo.runtime.context import Context
 from dynamo.runtime.errors import DynamoError, NoInstances, ResponseTimeout
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from dynamo.frontend.model_registry import ModelEntry
     from dynamo.frontend.pipeline import ModelPipeline
 
@@ -147,8 +145,7 @@ def route(
         selection = router.select(request, live)
         if span.is_recording():  # a local span keeps no attributes: none are built for it
             mode = ROUTER_MODES.get(type(router).__name__, type(router).__name__)
-            span.set_attributes({"router_mode": mode, "candidates": len(live)})
-            _describe(span, selection)
+            span.set_attributes(_described(selection, router_mode=mode, candidates=len(live)))
     return selection
 
 
@@ -180,17 +177,23 @@ async def held_route(
             selection = await queue.wait(waiter, ctx, timeouts.first_response_s)
         finally:
             span.set_attribute("queue_wait_ms", (time.monotonic() - began) * 1000.0)
-        _describe(span, selection)
+        span.set_attributes(_described(selection))
     return selection
 
 
-def _describe(span: Span, selection: Selection) -> None:
-    span.set_attribute("worker_id", f"{selection.instance_id:x}")
+def _described(selection: Selection, **attributes: str | int) -> dict[str, str | int | float]:
+    """``attributes`` and the ``route`` span's description of ``selection`` (worker, DP rank,
+    overlap blocks, cost): one ``set_attributes`` call."""
+    out: dict[str, str | int | float] = {
+        **attributes,
+        "worker_id": f"{selection.instance_id:x}",
+        "overlap_blocks": selection.overlap_blocks,
+    }
     if selection.dp_rank is not None:
-        span.set_attribute("dp_rank", selection.dp_rank)
-    span.set_attribute("overlap_blocks", selection.overlap_blocks)
+        out["dp_rank"] = selection.dp_rank
     if selection.cost is not None:
-        span.set_attribute("cost", selection.cost)
+        out["cost"] = selection.cost
+    return out
 
 
 async def attempts(

@@ -223,13 +223,13 @@ class InflightRequest:
         span = self.span
         # The handler's task has the request span current: this line carries its trace id.
         log.debug("request %s finished: %s %s", self.request_id, status, error_type or "-")
-        span.set_attribute("model", model)
-        span.set_attribute("request_type", self.request_type)
-        span.set_attribute("status", status)
-        if error_type:
-            span.set_attribute("error_type", error_type)
-            if error_type != "cancelled":
-                span.set_status(Status(StatusCode.ERROR, error_type))
+        if span.is_recording():  # a local span keeps no attributes: none are built for it
+            attributes = {"model": model, "request_type": self.request_type, "status": status}
+            if error_type:
+                attributes["error_type"] = error_type
+            span.set_attributes(attributes)
+        if error_type and error_type != "cancelled":
+            span.set_status(Status(StatusCode.ERROR, error_type))
         span.end()
         if self._on_finish is not None:
             self._on_finish(self)
