@@ -22,6 +22,8 @@
 #include <math.h>
 
 #include <limits.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "../_slots.h"
 #include "../_u64.h"
@@ -240,10 +242,30 @@ choose(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if ((costs = PyList_New(n)) == NULL)
         goto done;
+    /* Equal costs share one float (floats are immutable): the targets without the prefix and
+     * without load (most of 100 workers) cost the same, so their ~70 floats a request were
+     * as many allocations and frees. The last few distinct values are remembered by their bits
+     * (-0.0 and 0.0 stay apart). */
+    enum { RECENT = 4 };
+    PyObject *recent[RECENT] = {NULL};
+    uint64_t recent_bits[RECENT] = {0};
+    int next = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *f = PyFloat_FromDouble(cost[i]);
-        if (f == NULL)
-            goto done;
+        uint64_t bits;
+        memcpy(&bits, &cost[i], sizeof bits);
+        PyObject *f = NULL;
+        for (int r = 0; r < RECENT; r++)
+            if (recent[r] != NULL && recent_bits[r] == bits) {
+                f = Py_NewRef(recent[r]);
+                break;
+            }
+        if (f == NULL) {
+            if ((f = PyFloat_FromDouble(cost[i])) == NULL)
+                goto done; /* the list holds every float made so far */
+            recent[next] = f; /* borrowed: the list holds it */
+            recent_bits[next] = bits;
+            next = (next + 1) % RECENT;
+        }
         PyList_SET_ITEM(costs, i, f);
     }
     out = Py_BuildValue("nLO", chosen, (long long)overlap[chosen], costs);
