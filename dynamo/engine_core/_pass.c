@@ -164,10 +164,11 @@ get_ssize(PyObject *seq, int f, Py_ssize_t *out)
 }
 
 /* The int objects of the token counts the pass writes (``num_computed_tokens`` after every
- * step, ``prefill_end``, ``num_cached_tokens``), made once a value and shared, as CPython shares
- * the small ints: a decode step's new count was an allocation, and the old one's freeing, per
- * sequence and pass. Bounded (COUNT_INTS values, ~32 bytes each, for the module's life). */
-#define COUNT_INTS 16384
+ * step, ``prefill_end``, ``num_cached_tokens``) and of the ids the sampler draws, made once a
+ * value and shared, as CPython shares the small ints: a decode step's new count and its token
+ * were two allocations, and their freeing, per sequence and pass. Bounded (COUNT_INTS values,
+ * ~32 bytes each once made, for the module's life; the table's untouched pages cost nothing). */
+#define COUNT_INTS (1 << 17)
 static PyObject *count_ints[COUNT_INTS];
 
 /* ``int(n)`` (new reference), or NULL with an exception. */
@@ -445,7 +446,8 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         for (;;) {
             uint64_t id = (uint64_t)(((unsigned __int128)(state >> 32) * vocab) >> 32);
             if (nexcl < 0 || !excluded_id(id, nexcl)) {
-                token = PyLong_FromUnsignedLongLong(id);
+                token = id < COUNT_INTS ? count_int((Py_ssize_t)id)
+                                        : PyLong_FromUnsignedLongLong(id);
                 if (token == NULL)
                     break;
                 int hit = nexcl < 0 ? in_set(excluded, token) : 0;
