@@ -182,10 +182,30 @@ get_ssize(PyObject *seq, int f, Py_ssize_t *out)
     return get_ssize_slow(seq, f, out);
 }
 
+/* The int objects of the token counts the pass writes (``num_computed_tokens`` after every
+ * step, ``prefill_end``, ``num_cached_tokens``) and of the ids the sampler draws, made once a
+ * value and shared, as CPython shares the small ints: a decode step's new count and its token
+ * were two allocations, and their freeing, per sequence and pass. Bounded (COUNT_INTS values,
+ * ~32 bytes each once made, for the module's life; the table's untouched pages cost nothing). */
+#define COUNT_INTS (1 << 17)
+static PyObject *count_ints[COUNT_INTS];
+
+/* ``int(n)`` (new reference), or NULL with an exception. */
+static PyObject *
+count_int(Py_ssize_t n)
+{
+    if (n < 0 || n >= COUNT_INTS)
+        return PyLong_FromSsize_t(n);
+    PyObject *v = count_ints[n];
+    if (v == NULL && (v = count_ints[n] = PyLong_FromSsize_t(n)) == NULL)
+        return NULL;
+    return Py_NewRef(v);
+}
+
 static int
 put_ssize(PyObject *seq, int f, Py_ssize_t n)
 {
-    return put_new(seq, f, PyLong_FromSsize_t(n));
+    return put_new(seq, f, count_int(n));
 }
 
 /* The truth of a field: 1, 0, or -1 on error. */
@@ -458,7 +478,8 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         for (;;) {
             uint64_t id = (uint64_t)(((unsigned __int128)(state >> 32) * vocab) >> 32);
             if (nexcl < 0 || !excluded_id(id, nexcl)) {
-                token = PyLong_FromUnsignedLongLong(id);
+                token = id < COUNT_INTS ? count_int((Py_ssize_t)id)
+                                        : PyLong_FromUnsignedLongLong(id);
                 if (token == NULL)
                     break;
                 int hit = nexcl < 0 ? in_set(excluded, token) : 0;
@@ -989,7 +1010,7 @@ allocate(Pass *ps, PyObject *seq)
             Py_DECREF(handoff);
             goto done;
         }
-        value = has ? PyObject_GetAttr(handoff, s_num_cached_tokens) : PyLong_FromSsize_t(computed);
+        value = has ? PyObject_GetAttr(handoff, s_num_cached_tokens) : count_int(computed);
         Py_DECREF(handoff);
         if (put_new(seq, F_NUM_CACHED_TOKENS, value) < 0)
             goto done;
