@@ -322,6 +322,9 @@ typedef struct {
     PyObject *const *seq;
     const Py_ssize_t *n;
     Py_ssize_t count;
+    /* the plan's: each sequence's tokens and computed tokens as planned (``mock_pass`` samples
+     * and applies the batch in the same call: nothing changes them in between); NULL: read */
+    const Py_ssize_t *ntok, *computed;
 } Batch;
 
 static int
@@ -432,7 +435,7 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long vocab;
     if (sample_args(args[1], args[2], &vocab) < 0)
         return NULL;
-    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    Batch b = {.list = entries, .count = PyList_GET_SIZE(entries)};
     return sample_core(&b, vocab, args[2]);
 }
 
@@ -450,9 +453,13 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         Py_ssize_t n, computed;
         if (batch_at(b, i, &seq, &n) < 0)
             goto fail;
-        Py_ssize_t position = num_tokens(seq);
-        if (position < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+        Py_ssize_t position;
+        if (b->ntok != NULL) {
+            position = b->ntok[i], computed = b->computed[i];
+        } else if ((position = num_tokens(seq)) < 0 ||
+                   get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0) {
             goto fail;
+        }
         if (computed + n < position) {
             PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
             continue;
@@ -698,11 +705,25 @@ typedef struct {
     Py_ssize_t *ctx; /* a decode's tokens (its context), -1 for a prefill chunk: the batch's
                       * figures without reading the sequence again (nothing changes it between
                       * its planning and the count, but a preemption, which removes it) */
+    Py_ssize_t *ntok, *computed; /* its tokens and computed tokens as planned (the same) */
     Py_ssize_t len, cap;
 } Plan;
 
 static int
-plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx)
+grow_array(Py_ssize_t **a, Py_ssize_t cap)
+{
+    Py_ssize_t *x = PyMem_Realloc(*a, (size_t)cap * sizeof *x);
+    if (x == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *a = x;
+    return 0;
+}
+
+static int
+plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx, Py_ssize_t ntok,
+         Py_ssize_t computed)
 {
     if (p->len == p->cap) {
         Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
@@ -718,16 +739,15 @@ plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx)
             return -1;
         }
         p->n = c;
-        Py_ssize_t *x = PyMem_Realloc(p->ctx, (size_t)cap * sizeof *x);
-        if (x == NULL) {
-            PyErr_NoMemory();
+        if (grow_array(&p->ctx, cap) < 0 || grow_array(&p->ntok, cap) < 0 ||
+            grow_array(&p->computed, cap) < 0)
             return -1;
-        }
-        p->ctx = x;
         p->cap = cap;
     }
     p->seq[p->len] = Py_NewRef(seq);
     p->ctx[p->len] = ctx;
+    p->ntok[p->len] = ntok;
+    p->computed[p->len] = computed;
     p->n[p->len++] = n;
     return 0;
 }
@@ -754,6 +774,8 @@ plan_free(Plan *p)
     PyMem_Free(p->seq);
     PyMem_Free(p->n);
     PyMem_Free(p->ctx);
+    PyMem_Free(p->ntok);
+    PyMem_Free(p->computed);
 }
 
 typedef struct {
@@ -797,7 +819,7 @@ schedule_known(Pass *ps, PyObject *seq, Py_ssize_t ntok, Py_ssize_t computed,
     Py_ssize_t n = ntok - computed, ctx = computed >= prefill_end ? ntok : -1;
     if (n > ps->budget)
         n = ps->budget;
-    if (plan_add(&ps->plan, seq, n, ctx) < 0)
+    if (plan_add(&ps->plan, seq, n, ctx, ntok, computed) < 0)
         return -1;
     ps->budget -= n;
     return 0;
@@ -1202,6 +1224,8 @@ schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
         }
         p->seq[kept] = seq;
         p->ctx[kept] = ctx;
+        p->ntok[kept] = p->ntok[k];
+        p->computed[kept] = p->computed[k];
         p->n[kept++] = n;
         if (ctx >= 0) {
             decodes++;
@@ -1386,13 +1410,14 @@ finish_reason(PyObject *seq, Py_ssize_t n, PyObject *token, PyObject **reason)
 /* Advance one entry; appends to tokens_out / finished when it samples / ends. */
 static int
 advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize_t bs,
-            int caching, PyObject *tokens_out, PyObject *finished)
+            int caching, PyObject *tokens_out, PyObject *finished, Py_ssize_t ntok,
+            Py_ssize_t computed)
 {
+    /* ntok, computed: as planned, or -1 (read them) */
     int alive = status_is(seq, st_running);
     if (alive <= 0)
         return alive; /* aborted while the pass ran */
-    Py_ssize_t computed;
-    if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+    if (computed < 0 && get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
         return -1;
     computed += n;
     if (put_ssize(seq, F_NUM_COMPUTED_TOKENS, computed) < 0)
@@ -1409,15 +1434,17 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
                 return -1;
         }
     }
-    Py_ssize_t nprompt;
-    if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &nprompt) < 0)
-        return -1;
     PyObject *output = get(seq, F_OUTPUT);
     if (output == NULL)
         return -1;
     if (!PyList_Check(output)) {
         Py_DECREF(output);
         PyErr_SetString(PyExc_TypeError, "output must be a list");
+        return -1;
+    }
+    Py_ssize_t nprompt = ntok - PyList_GET_SIZE(output);
+    if (ntok < 0 && get_ssize(seq, F_NUM_PROMPT_TOKENS, &nprompt) < 0) {
+        Py_DECREF(output);
         return -1;
     }
     if (computed < nprompt + PyList_GET_SIZE(output)) {
@@ -1518,7 +1545,7 @@ update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
     }
     if (ensure_ready() < 0)
         return NULL;
-    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    Batch b = {.list = entries, .count = PyList_GET_SIZE(entries)};
     return update_core(&b, sampled, running, requests, kv, bs, drain);
 }
 
@@ -1542,7 +1569,8 @@ update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requ
             goto done;
         Py_INCREF(seq);
         int rc = advance_one(kv, seq, n, PyList_GET_ITEM(sampled, i), bs, caching, tokens_out,
-                             finished);
+                             finished, b->ntok ? b->ntok[i] : -1,
+                             b->computed ? b->computed[i] : -1);
         Py_DECREF(seq);
         if (rc < 0)
             goto done;
@@ -1589,7 +1617,8 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (schedule_into(sargs, &ps, figures) < 0 || sample_args(args[7], args[8], &vocab) < 0)
         goto done;
     /* the planned batch as it is, with no (sequence, tokens) tuple an entry */
-    Batch b = {NULL, ps.plan.seq, ps.plan.n, ps.plan.len};
+    Batch b = {.seq = ps.plan.seq, .n = ps.plan.n, .count = ps.plan.len, .ntok = ps.plan.ntok,
+               .computed = ps.plan.computed};
     if ((sampled = sample_core(&b, vocab, args[8])) == NULL)
         goto done;
     int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */
