@@ -921,15 +921,20 @@ allocate(Pass *ps, PyObject *seq)
     int direct = kv_native(ps->kv) && PyList_CheckExact(chain);
     Py_ssize_t nchain = direct ? PyList_GET_SIZE(chain) : 0;
     uint64_t *keys = NULL;
+    int32_t *slots = NULL; /* each key's table slot, looked up once for the three calls */
     uint8_t *negs = NULL, *ok = NULL;
     if (direct) {
-        keys = PyMem_Malloc((size_t)(nchain ? nchain : 1) * (sizeof(uint64_t) + 2));
+        Py_ssize_t cap = nchain ? nchain : 1;
+        keys = PyMem_Malloc((size_t)cap * (sizeof(uint64_t) + sizeof(int32_t) + 2));
         if (keys == NULL) {
             PyErr_NoMemory();
             goto done;
         }
-        negs = (uint8_t *)(keys + (nchain ? nchain : 1));
-        ok = negs + (nchain ? nchain : 1);
+        slots = (int32_t *)(keys + cap);
+        negs = (uint8_t *)(slots + cap);
+        ok = negs + cap;
+        for (Py_ssize_t i = 0; i < nchain; i++)
+            slots[i] = DYN_KV_SLOT_UNKNOWN;
         kv_api->keys_of(PySequence_Fast_ITEMS(chain), nchain, keys, negs, ok);
     }
     if (pending) {
@@ -940,7 +945,7 @@ allocate(Pass *ps, PyObject *seq)
             goto done;
         Py_ssize_t hit = 0;
         if (reuse && direct) {
-            hit = kv_api->cached_prefix(ps->kv, keys, ok, nchain);
+            hit = kv_api->cached_prefix(ps->kv, keys, ok, slots, nchain);
         } else if (reuse) {
             PyObject *argv[2] = {ps->kv, chain};
             hit = as_ssize(PyObject_VectorcallMethod(s_num_cached_prefix, argv,
@@ -969,7 +974,8 @@ allocate(Pass *ps, PyObject *seq)
     }
     Py_ssize_t needed;
     if (direct) { /* ``full`` is chain[:n_full]: its keys lead the chain's */
-        needed = kv_api->slots_missing(ps->kv, keys, ok, PyList_GET_SIZE(full)) + n_unique;
+        needed = kv_api->slots_missing(ps->kv, keys, ok, slots, PyList_GET_SIZE(full)) +
+                 n_unique;
     } else {
         PyObject *count = PyLong_FromSsize_t(n_unique);
         if (count == NULL)
@@ -998,7 +1004,7 @@ allocate(Pass *ps, PyObject *seq)
                 goto done;
             }
             if (kv_api->use(ps->kv, PySequence_Fast_ITEMS(chain), PySequence_Fast_ITEMS(locals),
-                            keys, negs, ok, nf, !pending) < 0)
+                            keys, negs, ok, slots, nf, !pending) < 0)
                 goto done;
         } else {
             PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
