@@ -5,8 +5,9 @@ tokens, OSL 32, closed loop c=32, 512 blocks of 16, speedup 1) with the KV route
     python benchmarks/replay.py --requests 20000 --skip-large --profile
 
 For each run: wall and CPU seconds (the whole ``run_replay`` call: building the prompts,
-simulating, summarizing; CPU time is the fairer figure on a shared, loaded machine) and
-simulated seconds. With the reference (ai-dynamo 1.6.1's Rust replay) in
+simulating, summarizing; CPU time is the fairer figure on a shared, loaded machine), simulated
+seconds, and the cyclic collector's collections and thread CPU inside that call (``gc_ms``).
+With the reference (ai-dynamo 1.6.1's Rust replay) in
 ``--ref-python`` (default ``/work/refvenv/bin/python``), the same shape runs there side by side
 (``dynamo.replay.run_synthetic_trace_replay``, from /tmp so its ``dynamo`` package is the one
 imported). ``--profile`` prints the top of a cProfile of our 20k run.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -63,6 +65,30 @@ print(json.dumps({{"wall_s": wall, "duration_ms": pick("duration_ms"),
 """
 
 
+class _CollectorTime:
+    """The cyclic collector's collections and thread CPU time while counting (``gc.callbacks``:
+    a call a collection, nothing between them)."""
+
+    def __init__(self) -> None:
+        self.collections = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> _CollectorTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.collections += 1
+            self.seconds += time.thread_time() - self._started
+
+
 def ours(requests: int, workers: int, *, profile: bool = False) -> dict[str, Any]:
     bench = BenchConfig(
         url="replay:",
@@ -76,12 +102,13 @@ def ours(requests: int, workers: int, *, profile: bool = False) -> dict[str, Any
     )
     deployment = Deployment(workers, "kv", engine=ENGINE)
     started, cpu = time.perf_counter(), time.process_time()
-    if profile:
-        prof = cProfile.Profile()
-        result = prof.runcall(run_replay, bench, deployment)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-    else:
-        result = run_replay(bench, deployment)
+    with _CollectorTime() as collector:
+        if profile:
+            prof = cProfile.Profile()
+            result = prof.runcall(run_replay, bench, deployment)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        else:
+            result = run_replay(bench, deployment)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     s = result.summary
     return {
@@ -93,6 +120,8 @@ def ours(requests: int, workers: int, *, profile: bool = False) -> dict[str, Any
         "itl_mean_ms": s["itl_ms"]["mean"],
         "ttft_p50_ms": s["ttft_ms"]["p50"],
         "rps": s["request_throughput_rps"],
+        "gc_collections": collector.collections,
+        "gc_ms": collector.seconds * 1000,
     }
 
 
