@@ -21,7 +21,7 @@
  * is in-process) one buffer of words a drain (dynamo/protocol/kv_raw.py), written as the
  * blocks change: no object per event or block.
  *
- * ``_C_API`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
+ * ``_C_API_2`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
  * ``num_slots_needed``, ``use``) on keys converted once, and ``promote_run`` / ``release`` on
  * item arrays, for ``_pass.c``.
  *
@@ -682,9 +682,19 @@ store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, uint64_t lk, uint8_t lneg
     kv->n_full_active++;
 }
 
+/* keys[i]'s slot (-1: not stored), looked up once for an admission's calls: ``slots[i]`` is
+ * DYN_KV_SLOT_UNKNOWN until then (_kv_api.h). */
+static inline int32_t
+slot_at(const KV *kv, const uint64_t *keys, int32_t *slots, Py_ssize_t i)
+{
+    if (slots[i] == DYN_KV_SLOT_UNKNOWN)
+        slots[i] = map_get(kv, keys[i]);
+    return slots[i];
+}
+
 static int use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems,
-                    uint64_t *keys, uint8_t *negs, const uint8_t *ok, Py_ssize_t n,
-                    int announce);
+                    uint64_t *keys, uint8_t *negs, const uint8_t *ok, int32_t *slots,
+                    Py_ssize_t n, int announce);
 
 static PyObject *
 KV_use(KV *kv, PyObject *args, PyObject *kwds)
@@ -717,7 +727,7 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
     else if (PySequence_Fast_GET_SIZE(lseq) < n)
         PyErr_SetString(PyExc_IndexError, "local_hashes is shorter than block_hashes");
     else if (use_keys((PyObject *)kv, PySequence_Fast_ITEMS(seq), PySequence_Fast_ITEMS(lseq),
-                      keys, negs, NULL, n, announce) == 0)
+                      keys, negs, NULL, NULL, n, announce) == 0)
         res = Py_NewRef(Py_None);
     PyMem_Free(keys);
     PyMem_Free(negs);
@@ -731,7 +741,7 @@ KV_use(KV *kv, PyObject *args, PyObject *kwds)
  * with the error ``use`` raises. The capsule's ``use`` (_kv_api.h). */
 static int
 use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
-         uint8_t *negs, const uint8_t *ok, Py_ssize_t n, int announce)
+         uint8_t *negs, const uint8_t *ok, int32_t *slots, Py_ssize_t n, int announce)
 {
     KV *kv = (KV *)self;
     if (!kv->enable_prefix_caching) {
@@ -741,16 +751,29 @@ use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64
     }
     int rc = -1;
     Run run = {0};
+    int32_t *own = NULL; /* the slots' array when the caller has none */
     Py_ssize_t *absent = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
     if (absent == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    if (slots == NULL) {
+        if ((own = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t))) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            own[i] = DYN_KV_SLOT_UNKNOWN;
+        slots = own;
+    }
     Py_ssize_t missing = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if ((ok == NULL || !ok[i]) && need_key(items[i], &keys[i], &negs[i]) < 0)
-            goto done;
-        int32_t s = map_get(kv, keys[i]);
+        if (ok == NULL || !ok[i]) {
+            if (need_key(items[i], &keys[i], &negs[i]) < 0)
+                goto done;
+            slots[i] = DYN_KV_SLOT_UNKNOWN;
+        }
+        int32_t s = slot_at(kv, keys, slots, i);
         if (s < 0 || kv->e[s].refcount == 0)
             missing++;
         uint64_t lk;
@@ -762,10 +785,11 @@ use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64
         PyErr_SetString(PyExc_RuntimeError, "not enough KV blocks");
         goto done;
     }
-    /* pin every block we already have first, so eviction below never takes one of ours */
+    /* pin every block we already have first, so eviction below never takes one of ours (the
+     * slots looked up above: nothing changed the table since) */
     Py_ssize_t nabsent = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t s = map_get(kv, keys[i]);
+        int32_t s = slots[i];
         if (s < 0) {
             absent[nabsent++] = i;
             continue;
@@ -805,6 +829,7 @@ use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64
 done:
     Py_XDECREF(run.list);
     PyMem_Free(absent);
+    PyMem_Free(own);
     return rc;
 }
 
@@ -1286,23 +1311,25 @@ api_keys_of(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs,
 }
 
 static Py_ssize_t
-api_cached_prefix(PyObject *self, const uint64_t *keys, const uint8_t *ok, Py_ssize_t n)
+api_cached_prefix(PyObject *self, const uint64_t *keys, const uint8_t *ok, int32_t *slots,
+                  Py_ssize_t n)
 {
     const KV *kv = (const KV *)self;
     Py_ssize_t i = 0;
     if (kv->enable_prefix_caching)
-        while (i < n && ok[i] && map_get(kv, keys[i]) >= 0)
+        while (i < n && ok[i] && slot_at(kv, keys, slots, i) >= 0)
             i++;
     return i;
 }
 
 static Py_ssize_t
-api_slots_missing(PyObject *self, const uint64_t *keys, const uint8_t *ok, Py_ssize_t n)
+api_slots_missing(PyObject *self, const uint64_t *keys, const uint8_t *ok, int32_t *slots,
+                  Py_ssize_t n)
 {
     const KV *kv = (const KV *)self;
     Py_ssize_t missing = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t s = ok[i] ? map_get(kv, keys[i]) : -1;
+        int32_t s = ok[i] ? slot_at(kv, keys, slots, i) : -1;
         if (s < 0 || kv->e[s].refcount == 0)
             missing++;
     }
@@ -1335,7 +1362,7 @@ PyInit__kv(void)
         return NULL;
     }
     PyObject *api = PyCapsule_New(&kv_api, DYN_KV_API_CAPSULE, NULL);
-    if (api == NULL || PyModule_AddObject(m, "_C_API", api) < 0) {
+    if (api == NULL || PyModule_AddObject(m, "_C_API_2", api) < 0) {
         Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;

@@ -1,8 +1,10 @@
 /*
  * dynamo/engine_core/_kv_api.h: the native KV manager's calls for C callers, as a capsule
- * ``dynamo.engine_core._kv._C_API`` (a DynKVApi), so that ``_pass.c`` converts an admitted
- * prompt's chain of block hashes once instead of once per method call (``num_cached_prefix``,
- * ``num_slots_needed``, ``use``: each converted the same 64-bit ints), and promotes filled
+ * ``dynamo.engine_core._kv._C_API_2`` (a DynKVApi; ``_2``: the admission's calls take a slots
+ * array since 2026-11-26, so a stale build of either module finds no capsule and the pass calls
+ * the methods), so that ``_pass.c`` converts an admitted prompt's chain of block hashes once
+ * instead of once per method call (``num_cached_prefix``, ``num_slots_needed``, ``use``: each
+ * converted the same 64-bit ints), and promotes filled
  * blocks and releases a sequence's blocks from its lists' items (``promote_run``, ``release``:
  * no slices, no method call).
  *
@@ -17,7 +19,13 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API"
+#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API_2"
+
+/* ``slots``: the caller's array of one int32 a chain's key, each DYN_KV_SLOT_UNKNOWN before
+ * the admission's first call: the calls below look each key up once and keep its table slot
+ * there for the next (an admission's three calls looked each block up four times). Valid while
+ * the manager does not change between the calls (the admission makes no other call on it). */
+#define DYN_KV_SLOT_UNKNOWN (-2)
 
 typedef struct {
     PyTypeObject *type;
@@ -26,13 +34,13 @@ typedef struct {
                     uint8_t *ok);
     /* num_cached_prefix(items[:n]) */
     Py_ssize_t (*cached_prefix)(PyObject *kv, const uint64_t *keys, const uint8_t *ok,
-                                Py_ssize_t n);
+                                int32_t *slots, Py_ssize_t n);
     /* num_slots_needed(items[:n], 0) */
     Py_ssize_t (*slots_missing)(PyObject *kv, const uint64_t *keys, const uint8_t *ok,
-                                Py_ssize_t n);
+                                int32_t *slots, Py_ssize_t n);
     /* use(items[:n], litems[:n], announce=announce): 0, or -1 with its error */
     int (*use)(PyObject *kv, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
-               uint8_t *negs, const uint8_t *ok, Py_ssize_t n, int announce);
+               uint8_t *negs, const uint8_t *ok, int32_t *slots, Py_ssize_t n, int announce);
     /* promote_run(uids[:n], hashes[:n], locals[:n], parent): 0, or -1 with its error */
     int (*promote_run)(PyObject *kv, PyObject *const *uids, PyObject *const *hashes,
                        PyObject *const *locals, Py_ssize_t n, PyObject *parent);

@@ -139,35 +139,55 @@ put_new(PyObject *seq, int f, PyObject *v)
     return rc;
 }
 
-/* An int field's value: the fields read every pass (token counts, limits) are exact ints of
- * at most one digit, read from it (CPython 3.11's layout, as ``dyn_u64_digits``); any other
- * value goes through ``PyLong_AsSsize_t``, with the same result and errors. */
+/* A field's value, borrowed, when ``seq`` is of the learned class and the slot is set; NULL
+ * otherwise, with no exception (the caller then takes the general path, ``get``). The fields
+ * read every pass for a sequence's counts, lists' lengths and status: no reference taken and
+ * dropped, no call (these reads were ~10k instructions a replayed request as calls). */
+static inline PyObject *
+peek(PyObject *seq, int f)
+{
+    if (Py_TYPE(seq) != seq_slots.type)
+        return NULL;
+    return *(PyObject **)((char *)seq + seq_slots.offsets[f]);
+}
+
+/* get_ssize's general path: any object, any int (``PyLong_AsSsize_t``'s result and errors). */
 static int
-get_ssize(PyObject *seq, int f, Py_ssize_t *out)
+get_ssize_slow(PyObject *seq, int f, Py_ssize_t *out)
 {
     PyObject *v = get(seq, f);
     if (v == NULL)
         return -1;
-#if PY_VERSION_HEX < 0x030C0000
-    if (PyLong_CheckExact(v)) {
-        Py_ssize_t size = Py_SIZE(v);
-        if (size == 0 || size == 1 || size == -1) {
-            *out = size == 0 ? 0 : size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
-            Py_DECREF(v);
-            return 0;
-        }
-    }
-#endif
     *out = PyLong_AsSsize_t(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* An int field's value: the fields read every pass (token counts, limits) are exact ints of
+ * at most one digit, read from it (CPython 3.11's layout, as ``dyn_u64_digits``); any other
+ * value goes through ``PyLong_AsSsize_t``, with the same result and errors. */
+static inline int
+get_ssize(PyObject *seq, int f, Py_ssize_t *out)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    PyObject *v = peek(seq, f);
+    if (v != NULL && PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0 || size == 1 || size == -1) {
+            *out = size == 0 ? 0 : size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+            return 0;
+        }
+    }
+#endif
+    return get_ssize_slow(seq, f, out);
+}
+
 /* The int objects of the token counts the pass writes (``num_computed_tokens`` after every
- * step, ``prefill_end``, ``num_cached_tokens``), made once a value and shared, as CPython shares
- * the small ints: a decode step's new count was an allocation, and the old one's freeing, per
- * sequence and pass. Bounded (COUNT_INTS values, ~32 bytes each, for the module's life). */
-#define COUNT_INTS 16384
+ * step, ``prefill_end``, ``num_cached_tokens``) and of the ids the sampler draws, made once a
+ * value and shared, as CPython shares the small ints: a decode step's new count and its token
+ * were two allocations, and their freeing, per sequence and pass. Bounded (COUNT_INTS values,
+ * ~32 bytes each once made, for the module's life; the table's untouched pages cost nothing). */
+#define COUNT_INTS (1 << 17)
 static PyObject *count_ints[COUNT_INTS];
 
 /* ``int(n)`` (new reference), or NULL with an exception. */
@@ -200,9 +220,9 @@ get_bool(PyObject *seq, int f)
     return t;
 }
 
-/* len() of a field (a list on the fast path). */
+/* len() of a field: its general path (any object). */
 static Py_ssize_t
-len_of(PyObject *seq, int f)
+len_of_slow(PyObject *seq, int f)
 {
     PyObject *v = get(seq, f);
     if (v == NULL)
@@ -212,8 +232,18 @@ len_of(PyObject *seq, int f)
     return n;
 }
 
+/* len() of a field (a list on the fast path). */
+static inline Py_ssize_t
+len_of(PyObject *seq, int f)
+{
+    PyObject *v = peek(seq, f);
+    if (v != NULL && PyList_CheckExact(v))
+        return PyList_GET_SIZE(v);
+    return len_of_slow(seq, f);
+}
+
 /* Sequence.num_tokens: the prompt's tokens and the sampled ones, or -1 with an exception. */
-static Py_ssize_t
+static inline Py_ssize_t
 num_tokens(PyObject *seq)
 {
     Py_ssize_t prompt, output = len_of(seq, F_OUTPUT);
@@ -223,10 +253,13 @@ num_tokens(PyObject *seq)
 }
 
 /* Whether the sequence's status is ``status`` (identity, as ``is``): 1, 0, -1. */
-static int
+static inline int
 status_is(PyObject *seq, PyObject *status)
 {
-    PyObject *v = get(seq, F_STATUS);
+    PyObject *v = peek(seq, F_STATUS);
+    if (v != NULL)
+        return v == status;
+    v = get(seq, F_STATUS);
     if (v == NULL)
         return -1;
     Py_DECREF(v); /* identity only: the enum member lives on in its class */
@@ -289,6 +322,9 @@ typedef struct {
     PyObject *const *seq;
     const Py_ssize_t *n;
     Py_ssize_t count;
+    /* the plan's: each sequence's tokens and computed tokens as planned (``mock_pass`` samples
+     * and applies the batch in the same call: nothing changes them in between); NULL: read */
+    const Py_ssize_t *ntok, *computed;
 } Batch;
 
 static int
@@ -399,7 +435,7 @@ sample_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long vocab;
     if (sample_args(args[1], args[2], &vocab) < 0)
         return NULL;
-    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    Batch b = {.list = entries, .count = PyList_GET_SIZE(entries)};
     return sample_core(&b, vocab, args[2]);
 }
 
@@ -417,9 +453,13 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         Py_ssize_t n, computed;
         if (batch_at(b, i, &seq, &n) < 0)
             goto fail;
-        Py_ssize_t position = num_tokens(seq);
-        if (position < 0 || get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+        Py_ssize_t position;
+        if (b->ntok != NULL) {
+            position = b->ntok[i], computed = b->computed[i];
+        } else if ((position = num_tokens(seq)) < 0 ||
+                   get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0) {
             goto fail;
+        }
         if (computed + n < position) {
             PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
             continue;
@@ -445,7 +485,8 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
         for (;;) {
             uint64_t id = (uint64_t)(((unsigned __int128)(state >> 32) * vocab) >> 32);
             if (nexcl < 0 || !excluded_id(id, nexcl)) {
-                token = PyLong_FromUnsignedLongLong(id);
+                token = id < COUNT_INTS ? count_int((Py_ssize_t)id)
+                                        : PyLong_FromUnsignedLongLong(id);
                 if (token == NULL)
                     break;
                 int hit = nexcl < 0 ? in_set(excluded, token) : 0;
@@ -664,11 +705,25 @@ typedef struct {
     Py_ssize_t *ctx; /* a decode's tokens (its context), -1 for a prefill chunk: the batch's
                       * figures without reading the sequence again (nothing changes it between
                       * its planning and the count, but a preemption, which removes it) */
+    Py_ssize_t *ntok, *computed; /* its tokens and computed tokens as planned (the same) */
     Py_ssize_t len, cap;
 } Plan;
 
 static int
-plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx)
+grow_array(Py_ssize_t **a, Py_ssize_t cap)
+{
+    Py_ssize_t *x = PyMem_Realloc(*a, (size_t)cap * sizeof *x);
+    if (x == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *a = x;
+    return 0;
+}
+
+static int
+plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx, Py_ssize_t ntok,
+         Py_ssize_t computed)
 {
     if (p->len == p->cap) {
         Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
@@ -684,16 +739,15 @@ plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx)
             return -1;
         }
         p->n = c;
-        Py_ssize_t *x = PyMem_Realloc(p->ctx, (size_t)cap * sizeof *x);
-        if (x == NULL) {
-            PyErr_NoMemory();
+        if (grow_array(&p->ctx, cap) < 0 || grow_array(&p->ntok, cap) < 0 ||
+            grow_array(&p->computed, cap) < 0)
             return -1;
-        }
-        p->ctx = x;
         p->cap = cap;
     }
     p->seq[p->len] = Py_NewRef(seq);
     p->ctx[p->len] = ctx;
+    p->ntok[p->len] = ntok;
+    p->computed[p->len] = computed;
     p->n[p->len++] = n;
     return 0;
 }
@@ -720,6 +774,8 @@ plan_free(Plan *p)
     PyMem_Free(p->seq);
     PyMem_Free(p->n);
     PyMem_Free(p->ctx);
+    PyMem_Free(p->ntok);
+    PyMem_Free(p->computed);
 }
 
 typedef struct {
@@ -763,7 +819,7 @@ schedule_known(Pass *ps, PyObject *seq, Py_ssize_t ntok, Py_ssize_t computed,
     Py_ssize_t n = ntok - computed, ctx = computed >= prefill_end ? ntok : -1;
     if (n > ps->budget)
         n = ps->budget;
-    if (plan_add(&ps->plan, seq, n, ctx) < 0)
+    if (plan_add(&ps->plan, seq, n, ctx, ntok, computed) < 0)
         return -1;
     ps->budget -= n;
     return 0;
@@ -865,15 +921,20 @@ allocate(Pass *ps, PyObject *seq)
     int direct = kv_native(ps->kv) && PyList_CheckExact(chain);
     Py_ssize_t nchain = direct ? PyList_GET_SIZE(chain) : 0;
     uint64_t *keys = NULL;
+    int32_t *slots = NULL; /* each key's table slot, looked up once for the three calls */
     uint8_t *negs = NULL, *ok = NULL;
     if (direct) {
-        keys = PyMem_Malloc((size_t)(nchain ? nchain : 1) * (sizeof(uint64_t) + 2));
+        Py_ssize_t cap = nchain ? nchain : 1;
+        keys = PyMem_Malloc((size_t)cap * (sizeof(uint64_t) + sizeof(int32_t) + 2));
         if (keys == NULL) {
             PyErr_NoMemory();
             goto done;
         }
-        negs = (uint8_t *)(keys + (nchain ? nchain : 1));
-        ok = negs + (nchain ? nchain : 1);
+        slots = (int32_t *)(keys + cap);
+        negs = (uint8_t *)(slots + cap);
+        ok = negs + cap;
+        for (Py_ssize_t i = 0; i < nchain; i++)
+            slots[i] = DYN_KV_SLOT_UNKNOWN;
         kv_api->keys_of(PySequence_Fast_ITEMS(chain), nchain, keys, negs, ok);
     }
     if (pending) {
@@ -884,7 +945,7 @@ allocate(Pass *ps, PyObject *seq)
             goto done;
         Py_ssize_t hit = 0;
         if (reuse && direct) {
-            hit = kv_api->cached_prefix(ps->kv, keys, ok, nchain);
+            hit = kv_api->cached_prefix(ps->kv, keys, ok, slots, nchain);
         } else if (reuse) {
             PyObject *argv[2] = {ps->kv, chain};
             hit = as_ssize(PyObject_VectorcallMethod(s_num_cached_prefix, argv,
@@ -913,7 +974,8 @@ allocate(Pass *ps, PyObject *seq)
     }
     Py_ssize_t needed;
     if (direct) { /* ``full`` is chain[:n_full]: its keys lead the chain's */
-        needed = kv_api->slots_missing(ps->kv, keys, ok, PyList_GET_SIZE(full)) + n_unique;
+        needed = kv_api->slots_missing(ps->kv, keys, ok, slots, PyList_GET_SIZE(full)) +
+                 n_unique;
     } else {
         PyObject *count = PyLong_FromSsize_t(n_unique);
         if (count == NULL)
@@ -942,7 +1004,7 @@ allocate(Pass *ps, PyObject *seq)
                 goto done;
             }
             if (kv_api->use(ps->kv, PySequence_Fast_ITEMS(chain), PySequence_Fast_ITEMS(locals),
-                            keys, negs, ok, nf, !pending) < 0)
+                            keys, negs, ok, slots, nf, !pending) < 0)
                 goto done;
         } else {
             PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
@@ -1168,6 +1230,8 @@ schedule_into(PyObject *const *args, Pass *ps, Py_ssize_t figures[3])
         }
         p->seq[kept] = seq;
         p->ctx[kept] = ctx;
+        p->ntok[kept] = p->ntok[k];
+        p->computed[kept] = p->computed[k];
         p->n[kept++] = n;
         if (ctx >= 0) {
             decodes++;
@@ -1352,13 +1416,14 @@ finish_reason(PyObject *seq, Py_ssize_t n, PyObject *token, PyObject **reason)
 /* Advance one entry; appends to tokens_out / finished when it samples / ends. */
 static int
 advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize_t bs,
-            int caching, PyObject *tokens_out, PyObject *finished)
+            int caching, PyObject *tokens_out, PyObject *finished, Py_ssize_t ntok,
+            Py_ssize_t computed)
 {
+    /* ntok, computed: as planned, or -1 (read them) */
     int alive = status_is(seq, st_running);
     if (alive <= 0)
         return alive; /* aborted while the pass ran */
-    Py_ssize_t computed;
-    if (get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
+    if (computed < 0 && get_ssize(seq, F_NUM_COMPUTED_TOKENS, &computed) < 0)
         return -1;
     computed += n;
     if (put_ssize(seq, F_NUM_COMPUTED_TOKENS, computed) < 0)
@@ -1375,15 +1440,17 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
                 return -1;
         }
     }
-    Py_ssize_t nprompt;
-    if (get_ssize(seq, F_NUM_PROMPT_TOKENS, &nprompt) < 0)
-        return -1;
     PyObject *output = get(seq, F_OUTPUT);
     if (output == NULL)
         return -1;
     if (!PyList_Check(output)) {
         Py_DECREF(output);
         PyErr_SetString(PyExc_TypeError, "output must be a list");
+        return -1;
+    }
+    Py_ssize_t nprompt = ntok - PyList_GET_SIZE(output);
+    if (ntok < 0 && get_ssize(seq, F_NUM_PROMPT_TOKENS, &nprompt) < 0) {
+        Py_DECREF(output);
         return -1;
     }
     if (computed < nprompt + PyList_GET_SIZE(output)) {
@@ -1484,7 +1551,7 @@ update_with(PyObject *const *args, Py_ssize_t nargs, PyObject *drain)
     }
     if (ensure_ready() < 0)
         return NULL;
-    Batch b = {entries, NULL, NULL, PyList_GET_SIZE(entries)};
+    Batch b = {.list = entries, .count = PyList_GET_SIZE(entries)};
     return update_core(&b, sampled, running, requests, kv, bs, drain);
 }
 
@@ -1508,7 +1575,8 @@ update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requ
             goto done;
         Py_INCREF(seq);
         int rc = advance_one(kv, seq, n, PyList_GET_ITEM(sampled, i), bs, caching, tokens_out,
-                             finished);
+                             finished, b->ntok ? b->ntok[i] : -1,
+                             b->computed ? b->computed[i] : -1);
         Py_DECREF(seq);
         if (rc < 0)
             goto done;
@@ -1555,7 +1623,8 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (schedule_into(sargs, &ps, figures) < 0 || sample_args(args[7], args[8], &vocab) < 0)
         goto done;
     /* the planned batch as it is, with no (sequence, tokens) tuple an entry */
-    Batch b = {NULL, ps.plan.seq, ps.plan.n, ps.plan.len};
+    Batch b = {.seq = ps.plan.seq, .n = ps.plan.n, .count = ps.plan.len, .ntok = ps.plan.ntok,
+               .computed = ps.plan.computed};
     if ((sampled = sample_core(&b, vocab, args[8])) == NULL)
         goto done;
     int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */

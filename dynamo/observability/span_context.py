@@ -71,13 +71,14 @@ attach: Callable[[Context], Token[Context]] = _var.set if _var is not None else 
 
 def detach(token: Token[Context]) -> None:
     """``otel_context.detach``: the context before the matching :func:`attach` is current
-    again (a token from another context is logged, as the API does, not raised)."""
+    again (a token from another context, or one used already, is logged, as the API does,
+    not raised)."""
     if _var is None:
         otel_context.detach(token)
         return
     try:
         _var.reset(token)
-    except ValueError:
+    except (ValueError, RuntimeError):  # another context's token, or a used one
         log.exception("Failed to detach context")
 
 
@@ -143,7 +144,7 @@ class SpanScope:
             if _var is not None:
                 try:
                     _var.reset(self._token)  # detach(), inline: a call less per span
-                except ValueError:
+                except (ValueError, RuntimeError):  # another context's token, or a used one
                     log.exception("Failed to detach context")
             else:
                 otel_context.detach(self._token)

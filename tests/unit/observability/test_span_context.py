@@ -71,3 +71,11 @@ def test_the_scope_records_an_exception_and_ends_the_span_as_use_span_does() -> 
     assert len(ended) == 1 and span.is_recording()  # not ended
     span.end()
     assert ended[-1].name == "quiet" and ended[-1].status.status_code is StatusCode.UNSET
+
+
+def test_a_used_token_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """As the API's ``detach``: a token used already must not fail the request's path."""
+    token = sc.attach(sc.with_span(INVALID_SPAN))
+    sc.detach(token)
+    sc.detach(token)
+    assert "Failed to detach context" in caplog.text
