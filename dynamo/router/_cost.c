@@ -96,7 +96,7 @@ argmin_random_tie(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seq = PySequence_Fast(args[0], "values must be a sequence of floats");
     if (seq == NULL)
         return NULL;
-    DynTie tie = {NULL, NULL};
+    DynTie tie = {NULL, NULL, NULL};
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), chosen = 0, ties = 0;
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
     double best = INFINITY;
@@ -146,5 +146,8 @@ PyInit__cost(void)
 {
     if (dyn_cost_init() < 0)
         return NULL;
-    return PyModule_Create(&cost_module);
+    PyObject *m = PyModule_Create(&cost_module);
+    if (m != NULL && PyModule_AddObjectRef(m, "STATE_DRAWS", dyn_mt_ok ? Py_True : Py_False) < 0)
+        Py_CLEAR(m);
+    return m;
 }

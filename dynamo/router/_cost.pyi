@@ -4,6 +4,11 @@ contract in Python: ``_cost_fallback.py``). Import through ``dynamo.router.selec
 import random
 from collections.abc import Sequence
 
+STATE_DRAWS: bool
+"""Whether a plain ``random.Random``'s tie draws are read from its Mersenne Twister state
+(``_cost.h``: the layout checked at import against the generator's own ``getrandbits``); if
+not, through its ``getrandbits`` method. The draws are the same either way."""
+
 def costs(
     overlap: Sequence[int],
     prefill: Sequence[int],

@@ -83,6 +83,19 @@ def test_many_ties_draw_as_randrange_does(native: ModuleType) -> None:
     assert native.argmin_random_tie([1.0] * 5, plain) == 4
 
 
+def test_ties_read_from_the_generator_state_draw_as_randrange_does(native: ModuleType) -> None:
+    """The state path (CPython's layout, checked at import) is taken here, and its draws,
+    interleaved with the generator's own calls and across regenerations of the state (624
+    words), leave the index and the state of ``randrange``'s loop."""
+    assert native.STATE_DRAWS is True
+    for seed in range(3):
+        a, b = random.Random(seed), random.Random(seed)
+        for n in (2, 7, 100, 1000, 70_000):
+            assert native.argmin_random_tie([1.0] * n, a) == py.argmin_random_tie([1.0] * n, b)
+            assert a.random() == b.random()  # the generator's own draws in between
+            assert a.getstate() == b.getstate()
+
+
 @pytest.mark.parametrize("module", ["native", "fallback"])
 def test_bad_input_is_refused(native: ModuleType, module: str) -> None:
     impl = native if module == "native" else py
