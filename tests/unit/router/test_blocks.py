@@ -803,6 +803,23 @@ def test_prefix_keys_name_whole_prefixes() -> None:
     assert as_dict(BlockCounts.prefixes_from_json(b"[5, 6,7]")) == as_dict(table)
 
 
+def test_an_empty_table_takes_a_request_whole(implementation: str) -> None:
+    """``add_prefix_keys`` on an empty table (a rank's one request, freed and added again:
+    the native table is sized for the request at once) holds what the key-by-key growth holds,
+    at the constructor's capacity, and shrinks back to the minimum on the free."""
+    keys, table = prefix_key_bytes(list(range(72))), BlockCounts()
+    for _ in range(3):  # added, freed (shrunk back to the minimum), added again
+        table.add_prefix_keys(keys)
+        assert as_dict(table) == as_dict(BlockCounts.of_prefixes(list(range(72))))
+        if implementation.endswith("_blocks"):
+            assert sys.getsizeof(table) == sys.getsizeof(BlockCounts(list(range(72))))
+        table.remove_prefix_keys(keys)
+        assert len(table) == 0 and sys.getsizeof(table) == sys.getsizeof(BlockCounts())
+    table.add(list(range(1000, 1010)))  # not empty: grows as before, contents exact
+    table.add_prefix_keys(keys)
+    assert len(table) == 82 and table.count(1000) == 1
+
+
 def test_prefix_key_bytes_pack_the_prefix_keys() -> None:
     """``prefix_key_bytes`` is ``prefix_keys`` packed; the keyed forms refuse other buffers
     and, like the hashed ones, raise KeyError on a key not held (those before it removed)."""
