@@ -119,9 +119,9 @@ mix64(uint64_t x)
     return x;
 }
 
-/* 1: converted; 0: not a 64-bit int (no error set); -1: error */
+/* to_key's general path (any int) */
 static int
-to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
+to_key_slow(PyObject *obj, uint64_t *key, uint8_t *neg)
 {
     if (!PyLong_Check(obj))
         return 0;
@@ -153,6 +153,18 @@ to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
     return 1;
 }
 
+/* 1: converted; 0: not a 64-bit int (no error set); -1: error. Inline for the common exact
+ * int of at most 64 bits (every hash an admission, promotion and release converts). */
+static inline int
+to_key(PyObject *obj, uint64_t *key, uint8_t *neg)
+{
+    if (dyn_u64_digits(obj, key)) {
+        *neg = 0;
+        return 1;
+    }
+    return to_key_slow(obj, key, neg);
+}
+
 /* A key the manager must store: TypeError / OverflowError otherwise. */
 static int
 need_key(PyObject *obj, uint64_t *key, uint8_t *neg)
@@ -175,7 +187,7 @@ key_obj(uint64_t key, uint8_t neg)
     return neg ? PyLong_FromLongLong((long long)key) : PyLong_FromUnsignedLongLong(key);
 }
 
-static int32_t
+static inline int32_t
 map_get(const KV *kv, uint64_t key)
 {
     size_t i = (size_t)mix64(key) & kv->mask;

@@ -709,15 +709,35 @@ typedef struct {
     Py_ssize_t len, cap;
 } Plan;
 
+/* The plan's five arrays in one block (``seq``'s start), doubled when full: one allocation and
+ * one free a pass where there were five of each. 0, or -1 with MemoryError (nothing changed). */
 static int
-grow_array(Py_ssize_t **a, Py_ssize_t cap)
+plan_grow(Plan *p)
 {
-    Py_ssize_t *x = PyMem_Realloc(*a, (size_t)cap * sizeof *x);
-    if (x == NULL) {
+    const size_t entry = sizeof(PyObject *) + 4 * sizeof(Py_ssize_t);
+    Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
+    if ((size_t)cap > PY_SSIZE_T_MAX / entry) {
         PyErr_NoMemory();
         return -1;
     }
-    *a = x;
+    PyObject **seq = PyMem_Malloc((size_t)cap * entry);
+    if (seq == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t *n = (Py_ssize_t *)(seq + cap), *ctx = n + cap, *ntok = ctx + cap,
+               *computed = ntok + cap;
+    if (p->len > 0) {
+        size_t len = (size_t)p->len;
+        memcpy(seq, p->seq, len * sizeof *seq);
+        memcpy(n, p->n, len * sizeof *n);
+        memcpy(ctx, p->ctx, len * sizeof *ctx);
+        memcpy(ntok, p->ntok, len * sizeof *ntok);
+        memcpy(computed, p->computed, len * sizeof *computed);
+    }
+    PyMem_Free(p->seq);
+    p->seq = seq, p->n = n, p->ctx = ctx, p->ntok = ntok, p->computed = computed;
+    p->cap = cap;
     return 0;
 }
 
@@ -725,25 +745,8 @@ static int
 plan_add(Plan *p, PyObject *seq, Py_ssize_t n, Py_ssize_t ctx, Py_ssize_t ntok,
          Py_ssize_t computed)
 {
-    if (p->len == p->cap) {
-        Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
-        PyObject **s = PyMem_Realloc(p->seq, (size_t)cap * sizeof *s);
-        if (s == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        p->seq = s;
-        Py_ssize_t *c = PyMem_Realloc(p->n, (size_t)cap * sizeof *c);
-        if (c == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        p->n = c;
-        if (grow_array(&p->ctx, cap) < 0 || grow_array(&p->ntok, cap) < 0 ||
-            grow_array(&p->computed, cap) < 0)
-            return -1;
-        p->cap = cap;
-    }
+    if (p->len == p->cap && plan_grow(p) < 0)
+        return -1;
     p->seq[p->len] = Py_NewRef(seq);
     p->ctx[p->len] = ctx;
     p->ntok[p->len] = ntok;
@@ -771,11 +774,7 @@ plan_free(Plan *p)
 {
     for (Py_ssize_t i = 0; i < p->len; i++)
         Py_DECREF(p->seq[i]);
-    PyMem_Free(p->seq);
-    PyMem_Free(p->n);
-    PyMem_Free(p->ctx);
-    PyMem_Free(p->ntok);
-    PyMem_Free(p->computed);
+    PyMem_Free(p->seq); /* the block of all five (plan_grow) */
 }
 
 typedef struct {
