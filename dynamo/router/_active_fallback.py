@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import dynamo.router.sequences as _sequences  # its _Request (read at call time: no import cycle)
 from dynamo.router.block_counts import prefix_key_bytes
 
 
@@ -39,7 +38,11 @@ def add_routed(
     rank.prefill_tokens += prefill
     rank.num_requests += 1
     seqs._stale[rank.column] = rank
-    seqs._requests[request_id] = _sequences._Request(rank, keys, private, prefill, now)
+    # imported here: sequences imports this module, so importing it first (as its test does)
+    # would find sequences partly initialized
+    from dynamo.router.sequences import _Request
+
+    seqs._requests[request_id] = _Request(rank, keys, private, prefill, now)
     return True
 
 
