@@ -10,7 +10,9 @@ seconds, and the cyclic collector's collections and thread CPU inside that call 
 With the reference (ai-dynamo 1.6.1's Rust replay) in
 ``--ref-python`` (default ``/work/refvenv/bin/python``), the same shape runs there side by side
 (``dynamo.replay.run_synthetic_trace_replay``, from /tmp so its ``dynamo`` package is the one
-imported). ``--profile`` prints the top of a cProfile of our 20k run.
+imported). ``--rounds N`` alternates the two N times and prints the CPU ratio of each round,
+their median and the best (one pair is one draw of this VM's noise). ``--profile`` prints the
+top of a cProfile of our 20k run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import pstats
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -158,19 +161,39 @@ def main() -> int:
     p.add_argument("--ref-python", default="/work/refvenv/bin/python")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate ours and the reference this many times and print the median ratio "
+        "(this VM's CPU time moves up to 2x between runs of one program)",
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     prompt_builder(None)  # the demo tokenizer's word pool: loaded once, not timed
     settle_after_start()  # the collector as ``dynamo replay``'s process has it (dynamo.cli)
     runs = [(args.requests, args.workers)]
     if not args.skip_large:
         runs.append((args.large_requests, args.large_workers))
     for requests, workers in runs:
-        mine = ours(requests, workers, profile=args.profile and requests == args.requests)
-        print(f"ours      {requests} requests, {workers} workers: {json.dumps(mine)}", flush=True)
-        if not args.no_reference:
-            ref = reference(args.ref_python, requests, workers)
-            label = f"reference {requests} requests, {workers} workers"
-            print(f"{label}: {json.dumps(ref)}", flush=True)
+        ratios = []
+        for _ in range(args.rounds):
+            mine = ours(requests, workers, profile=args.profile and requests == args.requests)
+            shape = f"{requests} requests, {workers} workers"
+            print(f"ours      {shape}: {json.dumps(mine)}", flush=True)
+            if not args.no_reference:
+                ref = reference(args.ref_python, requests, workers)
+                print(f"reference {shape}: {json.dumps(ref)}", flush=True)
+                if ref is not None:
+                    ratios.append(mine["cpu_s"] / ref["cpu_s"])
+        if ratios:
+            listed = ", ".join(f"{r:.2f}" for r in ratios)
+            print(
+                f"CPU ours / reference, {requests} requests, {workers} workers: {listed} "
+                f"(median {statistics.median(ratios):.2f}, best {min(ratios):.2f})",
+                flush=True,
+            )
     return 0
 
 
