@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamo.bench.benchmark import build_workload
 from dynamo.bench.config import BenchConfig
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
@@ -23,9 +22,10 @@ from dynamo.replay import pools, simulator
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.load import LoadGenerator
 from dynamo.replay.report import routing_rows
-from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
+from dynamo.replay.run import run_replay
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.core import RoutingCore
+from tests.unit.replay.simulations import simulation
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +171,7 @@ def test_bad_arguments(native: ModuleType) -> None:
 
 def _refcounts_after_a_run(loop: ModuleType | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(simulator, "_native_loop", loop)
-    bench, deployment = _random_case(1)
-    model, builder = prompt_builder(None)
-    deployment = with_model_vocabulary(deployment, model)
-    sessions = build_workload(bench, builder).sessions()
-    sim = simulator.Simulation(deployment, sessions, load_spec(bench))
+    sim = simulation(*_random_case(1))
     flights = sim.run().flights
     ranks = list(sim.decode_pool.ranks.values())
     return [

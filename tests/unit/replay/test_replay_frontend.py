@@ -8,13 +8,12 @@ import math
 
 import pytest
 
-from dynamo.bench.benchmark import build_workload
 from dynamo.bench.config import BenchConfig
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.__main__ import build_parser, deployment
 from dynamo.replay.deployment import Deployment
-from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
-from dynamo.replay.simulator import Simulation
+from dynamo.replay.run import run_replay
+from tests.unit.replay.simulations import simulation
 
 EXACT = 1e-6  # ms
 PREFILL_1024_MS = 32.490712  # P(1024), FACTS §6.4 (tests/unit/replay/test_replay_timing.py)
@@ -59,10 +58,8 @@ def test_a_request_timing_out_at_the_frontend_frees_everything() -> None:
     third times out in its engine and the rest before they reach the router, each at its
     deadline; nothing is left held."""
     bench = _bench(8, 8, request_timeout_s=0.25)
-    model, builder = prompt_builder(None)
     engine = MockerConfig(num_gpu_blocks=512, block_size=16)
-    deploy = with_model_vocabulary(Deployment(2, "kv", engine=engine, frontend_ms=80.0), model)
-    sim = Simulation(deploy, build_workload(bench, builder).sessions(), load_spec(bench))
+    sim = simulation(bench, Deployment(2, "kv", engine=engine, frontend_ms=80.0))
     flights = sim.run().flights
     records = [f.record for f in flights]
     assert sum(r.ok for r in records) == 2

@@ -22,10 +22,11 @@ from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay import simulator
 from dynamo.replay.deployment import Deployment
-from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
+from dynamo.replay.run import prompt_builder, run_replay
 from dynamo.replay.simulator import Simulation
 from dynamo.router import radix_tree
 from dynamo.router.config import KVRouterSettings
+from tests.unit.replay.simulations import simulation
 
 ENGINE = MockerConfig(num_gpu_blocks=256, block_size=16)
 PER_REQUEST = {"Flight", "RequestRecord", "RequestSpec", "RoutingRecord", "Runner"}
@@ -155,10 +156,7 @@ def test_a_replay_leaves_no_cyclic_garbage(kind: str, tmp_path: Path) -> None:
 
 
 def _simulation(sessions: Iterator[Session]) -> Simulation:
-    bench = _bench(16)
-    model, _ = prompt_builder(None)
-    deployment = with_model_vocabulary(Deployment(2, "kv", engine=ENGINE), model)
-    return Simulation(deployment, sessions, load_spec(bench))
+    return simulation(_bench(16), Deployment(2, "kv", engine=ENGINE), sessions)
 
 
 def _sessions(enabled: list[bool], *, fail_after: int | None = None) -> Iterator[Session]:

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from dynamo.bench.benchmark import build_workload
 from dynamo.bench.config import BenchConfig
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.replay.__main__ import main
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.flight import SimulationResult
-from dynamo.replay.run import load_spec, prompt_builder, run_replay, with_model_vocabulary
+from dynamo.replay.run import run_replay
 from dynamo.replay.simulator import Simulation
+from tests.unit.replay.simulations import simulation
 
 ENGINE = MockerConfig(num_gpu_blocks=512, block_size=16)
 
@@ -55,9 +55,7 @@ def test_warmup_requests_run_first_and_are_not_reported() -> None:
 
 
 def _simulate(bench: BenchConfig, deployment: Deployment) -> tuple[Simulation, SimulationResult]:
-    model, builder = prompt_builder(None)
-    deployment = with_model_vocabulary(deployment, model)
-    sim = Simulation(deployment, build_workload(bench, builder).sessions(), load_spec(bench))
+    sim = simulation(bench, deployment)
     return sim, sim.run()
 
 
