@@ -50,7 +50,8 @@ class ScriptedEngine(LLMEngine):
     """Every request: ``OSL`` tokens in the mocker's c=64 framing, one frame per resumption."""
 
     async def start(self, worker_id: int) -> EngineConfig:
-        raise NotImplementedError  # not served: driven through the adapter only
+        # what a served copy would register (this benchmark drives the adapter directly)
+        return EngineConfig(model="scripted", kv_events=False)
 
     async def generate(
         self, request: PreprocessedRequest, ctx: Context

@@ -58,6 +58,7 @@ from dynamo.replay.pools import (
     IDLE,
     SCHEDULED,
     WORKER_ID_BASE,
+    Pool,
     Rank,
     RoutingRecord,
     build_pool,
@@ -259,8 +260,7 @@ class Simulation:
         try:
             rank, chosen = self.decode_pool.route(flight.request_id, prompt, *hashes)
             flight.routing = chosen
-            if self.prefill_pool is not None and self._remote(flight, chosen):
-                assert self.prefill_pool is not None
+            if self.prefill_pool is not None and self._remote(self.prefill_pool, flight, chosen):
                 flight.decode_rank = rank
                 rank, pre = self.prefill_pool.route(flight.request_id, prompt, *hashes)
                 chosen.prefill_worker_id, chosen.prefill_dp_rank = pre.worker_id, pre.dp_rank
@@ -332,12 +332,9 @@ class Simulation:
             self.decode_pool.core.free(flight.request_id)
         self._finish(flight)
 
-    def _remote(self, flight: Flight, decode: RoutingRecord) -> bool:
-        """Disaggregated: whether the prompt is prefilled on a prefill worker (the frontend's
-        conditional-disaggregation rule, on the decode worker's reported prefix)."""
-        prefill = self.prefill_pool
-        if prefill is None:
-            return False
+    def _remote(self, prefill: Pool, flight: Flight, decode: RoutingRecord) -> bool:
+        """Disaggregated: whether the prompt is prefilled on a worker of ``prefill`` (the
+        frontend's conditional-disaggregation rule, on the decode worker's reported prefix)."""
         cached = decode.overlap_blocks * self._hash_size
         queue = max(0, self._remote_prefills - len(prefill.cards))
         return prefill_remotely(self.deployment.disagg, len(flight.tokens), cached, queue)
