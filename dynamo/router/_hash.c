@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define XXH_INLINE_ALL
 #define XXH_NO_STREAM
@@ -46,17 +47,32 @@ static int
 token_bytes(PyObject *const *items, Py_ssize_t n, unsigned char *out)
 {
     for (Py_ssize_t k = 0; k < n; k++) {
-        unsigned long t = token_id(items[k]);
-        if (t == (unsigned long)-1 && PyErr_Occurred())
-            return -1;
-        if (t > 0xFFFFFFFFUL) {
-            PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
-            return -1;
+        uint32_t u;
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+        /* the common id (an exact int of one digit) without the checks of any other */
+        PyObject *obj = items[k];
+        if (PyLong_CheckExact(obj) && Py_SIZE(obj) == 1)
+            u = ((PyLongObject *)obj)->ob_digit[0];
+        else
+#endif
+        {
+            unsigned long t = token_id(items[k]);
+            if (t == (unsigned long)-1 && PyErr_Occurred())
+                return -1;
+            if (t > 0xFFFFFFFFUL) {
+                PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
+                return -1;
+            }
+            u = (uint32_t)t;
         }
-        out[4 * k] = (unsigned char)t;
-        out[4 * k + 1] = (unsigned char)(t >> 8);
-        out[4 * k + 2] = (unsigned char)(t >> 16);
-        out[4 * k + 3] = (unsigned char)(t >> 24);
+#if PY_LITTLE_ENDIAN
+        memcpy(out + 4 * k, &u, 4);
+#else
+        out[4 * k] = (unsigned char)u;
+        out[4 * k + 1] = (unsigned char)(u >> 8);
+        out[4 * k + 2] = (unsigned char)(u >> 16);
+        out[4 * k + 3] = (unsigned char)(u >> 24);
+#endif
     }
     return 0;
 }
@@ -107,10 +123,13 @@ reuse_known(PyObject *const *items, Py_ssize_t n, unsigned char *buf, Py_ssize_t
     if (PySequence_Fast_GET_SIZE(kc) < limit)
         limit = PySequence_Fast_GET_SIZE(kc);
     PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
-    Py_ssize_t same = 0, most = limit * block_size;
-    while (same < most && items[same] == kitems[same])
-        same++;
-    k = same / block_size;
+    /* The leading blocks whose ids are known_tokens' own objects, a block's pointers compared
+     * at once (a prompt of a prefix group shares its group's 64 blocks: a vector compare each,
+     * not 1,024 compared one by one). */
+    size_t width = (size_t)block_size * sizeof(PyObject *);
+    k = 0;
+    while (k < limit && memcmp(items + k * block_size, kitems + k * block_size, width) == 0)
+        k++;
     Py_ssize_t from = k * block_size;
     if (token_bytes(items + from, n - from, buf + 4 * from) < 0) {
         k = -1;
