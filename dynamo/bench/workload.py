@@ -16,7 +16,7 @@ from typing import Protocol
 
 import msgspec
 
-from dynamo.bench.draw import choices
+from dynamo.bench.draw import choices, extended
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.request import RequestRecord, RequestSpec
 
@@ -46,16 +46,17 @@ class Workload(Protocol):
 
 class SingleRequest(msgspec.Struct):
     """A session of one request (a Struct: one is made per request, and its C ``__init__``
-    costs a fraction of a dataclass's)."""
+    costs a fraction of a dataclass's). ``sent``: its request was taken (``next`` returns
+    None from then on); the replay's load loop takes it from the fields, without the call."""
 
     spec: RequestSpec
     arrival: float | None = None
-    _sent: bool = False
+    sent: bool = False
 
     def next(self, previous: RequestRecord | None) -> RequestSpec | None:
-        if self._sent:
+        if self.sent:
             return None
-        self._sent = True
+        self.sent = True
         return self.spec
 
 
@@ -162,18 +163,28 @@ class PrefixWorkload:
     def sessions(self) -> Iterator[Session]:
         rng = random.Random(self._seed)
         pick = random.Random(self._seed ^ 0x6A0)
+        prefixes, builder, total, osl = self.prefixes, self._builder, self._total, self._osl
+        # ``pick.randrange(n)``'s draw without its two Python frames (CPython's
+        # ``_randbelow_with_getrandbits``: k-bit draws until one is below n; the test holds the
+        # groups to randrange's), and for token-id prompts ``spec_from_fit``'s prompt without
+        # its two (``fit``'s ids form is ``extended``: the group's words, then drawn ones; its
+        # length check passed in ``__init__``): the offline replay draws one a request
+        getrandbits, n = pick.getrandbits, len(prefixes)
+        bits = n.bit_length()
+        ids = builder.mode == "ids"
+        words = builder.words
         index = 0
         while True:
-            group = pick.randrange(len(self.prefixes))
-            spec = spec_from_fit(
-                self._builder,
-                self.prefixes[group],  # fit copies it
-                self._total,
-                self._osl,
-                rng,
-                session=index,
-                group=group,
-            )
+            group = getrandbits(bits)
+            while group >= n:
+                group = getrandbits(bits)
+            if ids:
+                prompt = extended(rng, words, prefixes[group], total)
+                spec = RequestSpec(osl, total, None, prompt, index, 0, group)
+            else:  # fit copies the group's words
+                spec = spec_from_fit(
+                    builder, prefixes[group], total, osl, rng, session=index, group=group
+                )
             yield SingleRequest(spec)
             index += 1
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo.bench.request import RequestRecord, RequestSpec
-from dynamo.bench.workload import Session
+from dynamo.bench.workload import Session, SingleRequest
 
 
 @dataclass(slots=True)
@@ -160,16 +160,23 @@ class LoadGenerator:
         spec = runner.pending
         runner.pending = None
         while spec is None:
-            if runner.session is None:
+            session = runner.session
+            if session is None:
                 if not runner.pulls or self._stopped:
                     return
-                runner.session = next(self._sessions, None)
+                session = runner.session = next(self._sessions, None)
                 runner.previous = None
-                if runner.session is None:
+                if session is None:
                     return
-            spec = runner.session.next(runner.previous)
-            if spec is None:
+            if type(session) is SingleRequest:  # its one request: next() read from its fields,
+                spec = None if session.sent else session.spec  # and the session ends now (no
+                session.sent = True  # second call to find it done: a frame a request)
                 runner.session = None
+            else:
+                spec = session.next(runner.previous)
+                if spec is None:
+                    runner.session = None
+            if spec is None:
                 continue
             if runner.previous is not None and load.think_time_s > 0:
                 runner.pending = spec

@@ -12,7 +12,12 @@ import pytest
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.request import RequestRecord, RequestSpec
 from dynamo.bench.trace import TraceError, TraceWorkload, load_trace
-from dynamo.bench.workload import MultiTurnWorkload, PrefixWorkload, SyntheticWorkload
+from dynamo.bench.workload import (
+    MultiTurnWorkload,
+    PrefixWorkload,
+    SyntheticWorkload,
+    spec_from_fit,
+)
 from dynamo.preprocess import ModelDir, demo_model_path, load_model_dir
 
 FORMS = [("chat", "ids"), ("completions", "ids"), ("completions", "text")]
@@ -112,6 +117,24 @@ def test_prefix_groups_share_exactly_their_prefix(
                 assert 96 <= shared < 136
             else:
                 assert shared < 96
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("groups", [1, 3, 16, 17])
+def test_prefix_requests_are_randrange_groups_and_fit_prompts(
+    builders: dict[tuple[str, str], PromptBuilder], form: tuple[str, str], groups: int
+) -> None:
+    """The sessions' inlined draws are ``pick.randrange(groups)`` and ``spec_from_fit`` of the
+    group's words, request for request (the replay's results depend on both)."""
+    builder = builders[form]
+    workload = PrefixWorkload(builder, groups=groups, prefix_len=40, suffix_len=9, osl=3, seed=5)
+    rng, pick = random.Random(5), random.Random(5 ^ 0x6A0)
+    for index, spec in enumerate(first_specs(workload, 40)):
+        group = pick.randrange(groups)
+        want = spec_from_fit(
+            builder, workload.prefixes[group], 49, 3, rng, session=index, group=group
+        )
+        assert spec == want
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
