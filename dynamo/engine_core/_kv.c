@@ -464,14 +464,15 @@ make_room(KV *kv, Py_ssize_t n)
     Py_ssize_t free = kv->num_blocks - kv->n_full_active - kv->n_unique - kv->n_inactive;
     if (free >= n)
         return 0;
-    PyObject *evicted = PyList_New(0);
-    if (evicted == NULL)
+    /* the evicted hashes' objects, for a Removed event (the raw form writes words instead) */
+    PyObject *evicted = kv->raw ? NULL : PyList_New(0);
+    if (evicted == NULL && !kv->raw)
         return -1;
     Py_ssize_t head = -1, nraw = 0;
     for (Py_ssize_t k = 0; k < n - free; k++) {
         int32_t s = kv->lru_head;
         if (s < 0) {
-            Py_DECREF(evicted);
+            Py_XDECREF(evicted);
             PyErr_SetString(PyExc_KeyError, "dictionary is empty");
             return -1;
         }
@@ -483,10 +484,8 @@ make_room(KV *kv, Py_ssize_t n)
         if (e->silent)
             continue;
         if (kv->raw) {
-            if ((head < 0 && (head = raw_begin(kv)) < 0) || raw_word(kv, e->hash, e->neg) < 0) {
-                Py_DECREF(evicted);
+            if ((head < 0 && (head = raw_begin(kv)) < 0) || raw_word(kv, e->hash, e->neg) < 0)
                 return -1;
-            }
             nraw++;
             continue;
         }
@@ -501,13 +500,13 @@ make_room(KV *kv, Py_ssize_t n)
     int rc = 0;
     if (head >= 0)
         rc = raw_end(kv, head, RAW_REMOVED, nraw);
-    if (PyList_GET_SIZE(evicted) > 0) {
+    if (evicted != NULL && PyList_GET_SIZE(evicted) > 0) {
         PyObject *args[1] = {evicted};
         PyObject *data = PyObject_Vectorcall(cls_removed, args, 0, kw_removed);
         rc = data == NULL ? -1 : emit(kv, data);
         Py_XDECREF(data);
     }
-    Py_DECREF(evicted);
+    Py_XDECREF(evicted);
     return rc;
 }
 
@@ -876,13 +875,27 @@ KV_allocate_unique(KV *kv, PyObject *arg)
     return ids;
 }
 
-/* a private block's id as a slot, or -1 with KeyError set */
-static int32_t
-unique_slot(KV *kv, PyObject *obj)
+/* a private block's id as a number, -1 if it is not an int that fits a long (no error set):
+ * ids are slots, so an exact int of at most one digit is read from it, any other through the
+ * API (the same value) */
+static inline long
+id_value(PyObject *obj)
 {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(obj) && (Py_SIZE(obj) == 0 || Py_SIZE(obj) == 1))
+        return Py_SIZE(obj) == 0 ? 0 : (long)((PyLongObject *)obj)->ob_digit[0];
+#endif
     long v = PyLong_Check(obj) ? PyLong_AsLong(obj) : -1;
     if (v == -1 && PyErr_Occurred())
         PyErr_Clear();
+    return v;
+}
+
+/* a private block's id as a slot, or -1 with KeyError set */
+static inline int32_t
+unique_slot(KV *kv, PyObject *obj)
+{
+    long v = id_value(obj);
     if (v < 0 || v >= kv->num_blocks || kv->e[v].kind != UNIQUE) {
         PyErr_SetString(PyExc_KeyError, "a private block that is not allocated");
         return -1;
@@ -1023,7 +1036,7 @@ release_items(PyObject *self, PyObject *const *hs, Py_ssize_t nh, PyObject *cons
         }
     }
     for (Py_ssize_t i = 0; i < nu; i++) {
-        int32_t u = (int32_t)PyLong_AsLong(uids[i]);
+        int32_t u = (int32_t)id_value(uids[i]); /* checked above (a repeated id: FREE now) */
         if (kv->e[u].kind == UNIQUE) {
             kv->e[u].kind = FREE;
             kv->n_unique--;

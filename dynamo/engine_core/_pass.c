@@ -208,9 +208,9 @@ put_ssize(PyObject *seq, int f, Py_ssize_t n)
     return put_new(seq, f, count_int(n));
 }
 
-/* The truth of a field: 1, 0, or -1 on error. */
+/* get_bool's general path (any object, any value). */
 static int
-get_bool(PyObject *seq, int f)
+get_bool_slow(PyObject *seq, int f)
 {
     PyObject *v = get(seq, f);
     if (v == NULL)
@@ -218,6 +218,19 @@ get_bool(PyObject *seq, int f)
     int t = PyObject_IsTrue(v);
     Py_DECREF(v);
     return t;
+}
+
+/* The truth of a field: 1, 0, or -1 on error. The flags read every pass (``pending_transfer``,
+ * ``reuse_prefix_cache``) are True or False: read by identity, borrowed (no call). */
+static inline int
+get_bool(PyObject *seq, int f)
+{
+    PyObject *v = peek(seq, f);
+    if (v == Py_False)
+        return 0;
+    if (v == Py_True)
+        return 1;
+    return get_bool_slow(seq, f);
 }
 
 /* len() of a field: its general path (any object). */
@@ -338,7 +351,7 @@ batch_at(const Batch *b, Py_ssize_t i, PyObject **seq, Py_ssize_t *n)
 }
 
 /* 1 if token is in the set (a frozenset or set; None or empty: never), 0 if not, -1 on error. */
-static int
+static inline int
 in_set(PyObject *set, PyObject *token)
 {
     if (set == Py_None || PySet_GET_SIZE(set) == 0)
@@ -464,12 +477,17 @@ sample_core(const Batch *b, unsigned long long vocab, PyObject *excluded)
             PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
             continue;
         }
-        if ((rng = get(seq, F_RNG_STATE)) == NULL)
-            goto fail;
-        uint64_t z = PyLong_AsUnsignedLongLongMask(rng); /* the state mod 2**64 */
-        Py_DECREF(rng);
-        if (z == (uint64_t)-1 && PyErr_Occurred())
-            goto fail;
+        /* the state mod 2**64: read from its digits when it is an exact int in [0, 2**64)
+         * (request_seed's are: masked to 64 bits), else through the API */
+        uint64_t z;
+        if ((rng = peek(seq, F_RNG_STATE)) == NULL || !dyn_u64_digits(rng, &z)) {
+            if ((rng = get(seq, F_RNG_STATE)) == NULL)
+                goto fail;
+            z = PyLong_AsUnsignedLongLongMask(rng);
+            Py_DECREF(rng);
+            if (z == (uint64_t)-1 && PyErr_Occurred())
+                goto fail;
+        }
         /* SplitMix64's finaliser over (seed, position): as the fallback, bit for bit */
         z += GOLDEN * (uint64_t)(position + 1);
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
