@@ -21,9 +21,10 @@
  * is in-process) one buffer of words a drain (dynamo/protocol/kv_raw.py), written as the
  * blocks change: no object per event or block.
  *
- * ``_C_API_2`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
- * ``num_slots_needed``, ``use``) on keys converted once, and ``promote_run`` / ``release`` on
- * item arrays, for ``_pass.c``.
+ * ``_C_API_3`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
+ * ``num_slots_needed``, ``use``) on keys converted once, ``promote_run`` / ``release`` on item
+ * arrays, the flags, ``allocate_unique`` and the drains without a method call, for
+ * ``_pass.c``.
  *
  * The contract is ``_kv.pyi``; ``_kv_fallback.py`` is the same in Python (``dynamo.native``
  * picks one) and tests/unit/engine_core/test_kv_native.py holds the two to the same events and
@@ -844,6 +845,8 @@ done:
     return rc;
 }
 
+static PyObject *allocate_n(PyObject *self, Py_ssize_t n);
+
 static PyObject *
 KV_allocate_unique(KV *kv, PyObject *arg)
 {
@@ -854,6 +857,14 @@ KV_allocate_unique(KV *kv, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "n must be >= 0");
         return NULL;
     }
+    return allocate_n((PyObject *)kv, n);
+}
+
+/* allocate_unique(n), n >= 0: the method's result (the capsule's ``allocate_unique``). */
+static PyObject *
+allocate_n(PyObject *self, Py_ssize_t n)
+{
+    KV *kv = (KV *)self;
     if (n > kv->num_blocks - num_active(kv))
         Py_RETURN_NONE;
     if (make_room(kv, n) < 0)
@@ -1361,9 +1372,34 @@ api_slots_missing(PyObject *self, const uint64_t *keys, const uint8_t *ok, int32
     return missing;
 }
 
+static int
+api_caching(PyObject *self)
+{
+    return ((KV *)self)->enable_prefix_caching != 0;
+}
+
+static int
+api_raw(PyObject *self)
+{
+    return ((KV *)self)->raw != 0;
+}
+
+static Py_ssize_t
+api_available(PyObject *self)
+{
+    KV *kv = (KV *)self;
+    return kv->num_blocks - num_active(kv);
+}
+
+static PyObject *
+api_drain(PyObject *self, int raw)
+{
+    return raw ? KV_drain_raw_events((KV *)self, NULL) : KV_drain_events((KV *)self, NULL);
+}
+
 static DynKVApi kv_api = {
-    &KVType, api_keys_of, api_cached_prefix, api_slots_missing, use_keys, promote_items,
-    release_items,
+    &KVType,      api_keys_of,   api_cached_prefix, api_slots_missing, use_keys, promote_items,
+    release_items, api_caching,  api_raw,           api_available,     allocate_n, api_drain,
 };
 
 static struct PyModuleDef module = {
@@ -1387,7 +1423,7 @@ PyInit__kv(void)
         return NULL;
     }
     PyObject *api = PyCapsule_New(&kv_api, DYN_KV_API_CAPSULE, NULL);
-    if (api == NULL || PyModule_AddObject(m, "_C_API_2", api) < 0) {
+    if (api == NULL || PyModule_AddObject(m, "_C_API_3", api) < 0) {
         Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;

@@ -1,8 +1,10 @@
 /*
  * dynamo/engine_core/_kv_api.h: the native KV manager's calls for C callers, as a capsule
- * ``dynamo.engine_core._kv._C_API_2`` (a DynKVApi; ``_2``: the admission's calls take a slots
- * array since 2026-11-26, so a stale build of either module finds no capsule and the pass calls
- * the methods), so that ``_pass.c`` converts an admitted prompt's chain of block hashes once
+ * ``dynamo.engine_core._kv._C_API_3`` (a DynKVApi; the number changes with the struct: ``_2``
+ * gave the admission's calls a slots array, ``_3`` added the flags, ``allocate_unique``,
+ * ``drain`` and the slots of promoted and released blocks, so a stale build of either module
+ * finds no capsule and the pass calls the methods), so that ``_pass.c`` converts an admitted
+ * prompt's chain of block hashes once
  * instead of once per method call (``num_cached_prefix``, ``num_slots_needed``, ``use``: each
  * converted the same 64-bit ints), and promotes filled
  * blocks and releases a sequence's blocks from its lists' items (``promote_run``, ``release``:
@@ -19,7 +21,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API_2"
+#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API_3"
 
 /* ``slots``: the caller's array of one int32 a chain's key, each DYN_KV_SLOT_UNKNOWN before
  * the admission's first call: the calls below look each key up once and keep its table slot
@@ -47,6 +49,16 @@ typedef struct {
     /* release(hashes[:nh], uids[:nu]): 0, or -1 with its error */
     int (*release)(PyObject *kv, PyObject *const *hashes, Py_ssize_t nh, PyObject *const *uids,
                    Py_ssize_t nu);
+    /* enable_prefix_caching, raw_events (0 or 1) and num_available_blocks: never fail */
+    int (*caching)(PyObject *kv);
+    int (*raw)(PyObject *kv);
+    Py_ssize_t (*available)(PyObject *kv);
+    /* allocate_unique(n) for n >= 0: a new list of ids, a new reference to None when there is
+     * no room, or NULL with its error */
+    PyObject *(*allocate_unique)(PyObject *kv, Py_ssize_t n);
+    /* drain_raw_events() if raw else drain_events(): the method's result, or NULL with its
+     * error */
+    PyObject *(*drain)(PyObject *kv, int raw);
 } DynKVApi;
 
 #endif

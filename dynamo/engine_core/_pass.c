@@ -583,6 +583,8 @@ release_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 allocate_unique(PyObject *kv, Py_ssize_t n)
 {
+    if (n >= 0 && kv_native(kv))
+        return kv_api->allocate_unique(kv, n);
     PyObject *count = PyLong_FromSsize_t(n);
     if (count == NULL)
         return NULL;
@@ -1004,7 +1006,9 @@ allocate(Pass *ps, PyObject *seq)
         if (needed == -1 && PyErr_Occurred())
             goto done;
     }
-    Py_ssize_t available = as_ssize(PyObject_GetAttr(ps->kv, s_num_available_blocks));
+    Py_ssize_t available =
+        direct ? kv_api->available(ps->kv)
+               : as_ssize(PyObject_GetAttr(ps->kv, s_num_available_blocks));
     if (available == -1 && PyErr_Occurred())
         goto done;
     if (needed > available) {
@@ -1577,7 +1581,7 @@ static PyObject *
 update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requests,
             PyObject *kv, Py_ssize_t bs, PyObject *drain)
 {
-    int caching = config_bool(kv, s_enable_prefix_caching);
+    int caching = kv_native(kv) ? kv_api->caching(kv) : config_bool(kv, s_enable_prefix_caching);
     if (caching < 0)
         return NULL;
     PyObject *tokens_out = PyList_New(0), *finished = PyList_New(0), *events = NULL;
@@ -1600,8 +1604,12 @@ update_core(const Batch *b, PyObject *sampled, PyObject *running, PyObject *requ
     }
     if (PyList_GET_SIZE(finished) > 0 && retire(kv, finished, running, requests) < 0)
         goto done;
-    PyObject *argv[1] = {kv};
-    events = PyObject_VectorcallMethod(drain, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (kv_native(kv)) {
+        events = kv_api->drain(kv, drain == s_drain_raw_events);
+    } else {
+        PyObject *argv[1] = {kv};
+        events = PyObject_VectorcallMethod(drain, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
     if (events == NULL)
         goto done;
     PyObject *parts[3] = {tokens_out, finished, events};
@@ -1644,7 +1652,8 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                .computed = ps.plan.computed};
     if ((sampled = sample_core(&b, vocab, args[8])) == NULL)
         goto done;
-    int raw = config_bool(kv, s_raw_events); /* the events in their raw form (kv_raw.py) */
+    /* the events in their raw form (kv_raw.py) */
+    int raw = kv_native(kv) ? kv_api->raw(kv) : config_bool(kv, s_raw_events);
     if (raw < 0 || (applied = update_core(&b, sampled, running, requests, kv, ps.bs,
                                           raw ? s_drain_raw_events : s_drain_events)) == NULL)
         goto done;
