@@ -1,17 +1,25 @@
 """Pure-Python twin of ``dynamo.bench._stats`` (the contract: ``_stats.pyi``): the report's
 order statistics of one series, by their definition (``sorted`` and ``sum`` of the scaled
-values). Import through ``dynamo.bench.report``."""
+values), and what the summary reads of a run's records. Import through
+``dynamo.bench.report``."""
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
+from typing import Any
 
 Figures = tuple[
     int, float | None, float | None, float | None, float | None, float | None, float | None
 ]
+RecordFigures = tuple[
+    int, list[Any], Figures, Figures, Figures, Figures, Figures, Figures, int, int, int, int
+]
+"""``record_figures``: completed, the failed records, the figures of ttft, itl, tpot and e2e
+(ms), input and output tokens, then the output, prompt and cached token totals and the count
+of prompts whose size differs from the expected."""
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:
@@ -29,6 +37,10 @@ def figures(values: list[float], scale: float) -> Figures | None:
     scaled, sorted, their mean the built-in ``sum`` of the sorted values over the count; all
     None but the count when there are no values. Never None (the native module's "cannot
     guarantee the same figures" answer)."""
+    return _figures(values, scale)
+
+
+def _figures(values: Iterable[float], scale: float) -> Figures:
     ordered = list(map(operator.mul, values, repeat(scale)))
     ordered.sort()
     if not ordered:
@@ -46,4 +58,47 @@ def figures(values: list[float], scale: float) -> Figures | None:
 
 def figures_joined(lists: list[list[float]], scale: float) -> Figures | None:
     """``figures`` of the lists' items, in order (a series kept per request, as the ITLs)."""
-    return figures(list(chain.from_iterable(lists)), scale)
+    return _figures(chain.from_iterable(lists), scale)
+
+
+def record_figures(records: Sequence[Any]) -> RecordFigures | None:
+    """What the summary reads of ``records`` (``RequestRecord`` s), in one pass: see
+    ``RecordFigures``. The completed requests' series in record order: ``e2e`` and ``itl`` of
+    each, ``ttft`` of those with a first token and ``tpot`` of those with two or more, the
+    prompt and cached tokens of those that report usage (``cached_tokens or 0``). Never None
+    (the native module's "the twin's case")."""
+    failed: list[Any] = []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    e2e: list[float] = []
+    itl: list[list[float]] = []
+    inputs: list[int] = []
+    outputs: list[int] = []
+    prompt_total = cached_total = output_total = mismatch = 0
+    for r in records:
+        if r.error is not None:
+            failed.append(r)
+            continue
+        out = r.output_tokens
+        output_total += out
+        outputs.append(out)
+        itl.append(r.itl)
+        e2e.append(r.e2e)
+        first = r.ttft
+        if first is not None:
+            ttft.append(first)
+            per_token = r.tpot
+            if per_token is not None:
+                tpot.append(per_token)
+        prompt = r.prompt_tokens
+        if prompt is not None:
+            inputs.append(prompt)
+            prompt_total += prompt
+            cached_total += r.cached_tokens or 0
+            mismatch += prompt != r.expected_prompt_tokens
+    ms = 1000.0
+    gaps = chain.from_iterable(itl)
+    series = (_figures(ttft, ms), _figures(gaps, ms), _figures(tpot, ms), _figures(e2e, ms))
+    counts = (_figures(inputs, 1.0), _figures(outputs, 1.0))
+    ok = len(records) - len(failed)
+    return (ok, failed, *series, *counts, output_total, prompt_total, cached_total, mismatch)
