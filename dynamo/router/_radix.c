@@ -37,11 +37,14 @@ typedef struct {
     uint64_t id;
 } Holder;
 
+#define INLINE_HELD 2 /* holders kept in the node itself: most blocks have one or two */
+
 typedef struct Node {
     uint64_t hash;
     struct Node *parent, *kid, *next, *prev; /* first child; siblings */
     uint32_t nkids, nheld, capheld;
-    Holder *held;
+    Holder *held;            /* inl, or a heap array once more than INLINE_HELD hold it */
+    Holder inl[INLINE_HELD];
 } Node;
 
 /* ---- hash tables (open addressing, linear probing, backward-shift deletion) ------------ */
@@ -274,6 +277,8 @@ typedef struct {
     uint32_t *mark; /* per slot, for find_matches */
     uint32_t gen;
     Py_ssize_t blocks;
+    Node *spare; /* freed nodes for reuse, linked by next (node_new, node_free) */
+    size_t nspare;
     /* scratch stacks, reused */
     Node **stack, **seen;
     size_t stack_cap, seen_cap;
@@ -292,12 +297,15 @@ static int
 holder_add(Node *n, uint32_t slot, uint64_t id, int neg)
 {
     if (n->nheld == n->capheld) {
-        uint32_t cap = n->capheld ? n->capheld * 2 : 2;
-        Holder *h = PyMem_Realloc(n->held, cap * sizeof(Holder));
+        uint32_t cap = n->capheld * 2;
+        Holder *h = n->held == n->inl ? PyMem_Malloc(cap * sizeof(Holder))
+                                      : PyMem_Realloc(n->held, cap * sizeof(Holder));
         if (h == NULL) {
             PyErr_NoMemory();
             return -1;
         }
+        if (n->held == n->inl)
+            memcpy(h, n->inl, n->nheld * sizeof(Holder));
         n->held = h;
         n->capheld = cap;
     }
@@ -305,18 +313,42 @@ holder_add(Node *n, uint32_t slot, uint64_t id, int neg)
     return 0;
 }
 
+/* A node's memory back to the allocator (its holders' array too, if on the heap). */
+static void
+node_release(Node *n)
+{
+    if (n->held != n->inl)
+        PyMem_Free(n->held);
+    PyMem_Free(n);
+}
+
+/* Freed nodes are kept for the next ones (up to MAX_SPARE): a pass stores about as many blocks
+ * as it evicts, and a node's allocation and its free were a third of a stored block's cost. A
+ * spare node keeps its holders' storage (emptied). */
+#define MAX_SPARE 4096
+
 static Node *
 node_new(Tree *t, Node *parent, uint64_t hash)
 {
-    Node *n = PyMem_Calloc(1, sizeof(Node));
-    if (n == NULL) {
-        PyErr_NoMemory();
-        return NULL;
+    Node *n = t->spare;
+    if (n != NULL) {
+        t->spare = n->next;
+        t->nspare--;
+    }
+    else {
+        if ((n = PyMem_Malloc(sizeof(Node))) == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        n->held = n->inl;
+        n->capheld = INLINE_HELD;
     }
     n->hash = hash;
     n->parent = parent;
+    n->kid = n->prev = NULL;
+    n->nkids = n->nheld = 0;
     if (kidmap_add(&t->kids, n) < 0) {
-        PyMem_Free(n);
+        node_release(n);
         return NULL;
     }
     n->next = parent->kid;
@@ -326,6 +358,23 @@ node_new(Tree *t, Node *parent, uint64_t hash)
     parent->nkids++;
     t->blocks++;
     return n;
+}
+
+/* The child of node with local hash h, or NULL. A node with few children (most: a chain's
+ * blocks have one) is read through its sibling list, which the walk touches anyway; the table
+ * probe (a mix and a random read) is for wide nodes (the root, a prefix's fork). */
+#define FEW_KIDS 2
+
+static inline Node *
+child_of(const Tree *t, const Node *node, uint64_t h)
+{
+    if (node->nkids <= FEW_KIDS) {
+        for (Node *c = node->kid; c; c = c->next)
+            if (c->hash == h)
+                return c;
+        return NULL;
+    }
+    return kidmap_get(&t->kids, node, h);
 }
 
 /* n has no holders and no children */
@@ -341,9 +390,15 @@ node_free(Tree *t, Node *n)
     if (n->next)
         n->next->prev = n->prev;
     p->nkids--;
-    PyMem_Free(n->held);
-    PyMem_Free(n);
     t->blocks--;
+    if (t->nspare < MAX_SPARE) {
+        n->nheld = 0;
+        n->next = t->spare;
+        t->spare = n;
+        t->nspare++;
+    }
+    else
+        node_release(n);
 }
 
 static int
@@ -364,13 +419,22 @@ push(Node ***arr, size_t *cap, size_t len, Node *n)
 }
 
 /* an int as a 64-bit key: [-2**63, 2**64); *neg set when negative */
-static int
+static int as_key_slow(PyObject *obj, uint64_t *key, int *neg);
+
+/* inline at its callers: the find walk converts ~70 hashes a request */
+static inline int
 as_key(PyObject *obj, uint64_t *key, int *neg)
 {
     if (dyn_u64_digits(obj, key)) { /* the common case: a non-negative 64-bit int */
         *neg = 0;
         return 0;
     }
+    return as_key_slow(obj, key, neg);
+}
+
+static Py_NO_INLINE int
+as_key_slow(PyObject *obj, uint64_t *key, int *neg)
+{
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "block ids and hashes must be ints, not %.100s",
                      Py_TYPE(obj)->tp_name);
@@ -518,6 +582,16 @@ remove_id(Tree *t, Slot *sl, uint32_t slot, uint64_t id, Lost *lost)
     Node *n = idmap_get(&sl->ids, id);
     if (n == NULL)
         return 0;
+    if (n->nkids == 0) { /* a leaf (most evictions): detach's walk without its stacks */
+        int i = holder_find(n, slot);
+        Holder h = n->held[i]; /* the slot holds it: its id maps here */
+        n->held[i] = n->held[--n->nheld];
+        idmap_del(&sl->ids, id);
+        lost_add(lost, h);
+        if (n->nheld == 0)
+            node_free(t, n);
+        return 1;
+    }
     return detach(t, sl, slot, n, lost) < 0 ? -1 : 1;
 }
 
@@ -525,7 +599,7 @@ remove_id(Tree *t, Slot *sl, uint32_t slot, uint64_t id, Lost *lost)
 static Node *
 extend_one(Tree *t, Slot *sl, uint32_t slot, Node *node, uint64_t b, int neg, uint64_t h)
 {
-    Node *c = kidmap_get(&t->kids, node, h);
+    Node *c = child_of(t, node, h);
     if (c == NULL) {
         c = node_new(t, node, h);
         if (c == NULL)
@@ -594,7 +668,7 @@ store_chain(Tree *t, uint32_t slot, int has_parent, uint64_t parent, const uint6
         uint64_t b = bl[i * stride], h = hl[i * stride];
         Node *at = idmap_get(&sl->ids, b);
         if (at != NULL) {
-            if (kidmap_get(&t->kids, node, h) == at) { /* already stored with this id */
+            if (at->parent == node && at->hash == h) { /* already stored with this id */
                 node = at;
                 cur = b;
                 has_cur = 1;
@@ -958,7 +1032,7 @@ Tree_find_matches(Tree *t, PyObject *arg)
             PyErr_Clear(); /* no block has this hash */
             break;
         }
-        Node *c = kidmap_get(&t->kids, node, h);
+        Node *c = child_of(t, node, h);
         if (c == NULL)
             break;
         /* holders only shrink along a path: equal counts mean equal sets */
@@ -1317,11 +1391,15 @@ Tree_dealloc(Tree *t)
         Node *n = t->stack[--sp];
         for (Node *c = n->kid; c && ok; c = c->next)
             ok = push(&t->stack, &t->stack_cap, sp++, c) == 0;
-        PyMem_Free(n->held);
-        PyMem_Free(n);
+        node_release(n);
     }
     if (!ok)
         PyErr_Clear(); /* leak the rest rather than crash */
+    while (t->spare) {
+        Node *n = t->spare;
+        t->spare = n->next;
+        node_release(n);
+    }
     for (uint32_t s = 0; s < t->nslots; s++) {
         if (t->slots[s]) {
             PyMem_Free(t->slots[s]->ids.e);
