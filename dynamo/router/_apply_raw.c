@@ -19,13 +19,30 @@
 
 #include "../_slots.h"
 #include "../_u64.h"
+#include "_radix_api.h"
 
 static const char *const rank_fields[] = {"slot", "last_id", "recovering"};
 enum { F_SLOT, F_LAST, F_RECOVERING };
 static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields);
 static PyObject *str_apply_raw; /* "apply_raw", interned */
+static const DynRadixApi *radix; /* the native tree's calls (NULL: not built; the method) */
 
 #define RAW_HEADER 3 /* dp_rank, first_event_id, count */
+
+/* The ranks dict's version tag: changed by every change of that dict (CPython < 3.12, where it
+ * is a plain unique counter); the rank cache is only used where it exists. */
+#if PY_VERSION_HEX < 0x030C0000
+#define RANK_CACHE 64
+#define DICT_VERSION(d) (((PyDictObject *)(d))->ma_version_tag)
+#else
+#define RANK_CACHE 0
+#endif
+
+/* A rank's state found for (worker, dp) while the ranks dict had version tag `version`. */
+typedef struct {
+    uint64_t worker, dp, version;
+    PyObject *st; /* strong; NULL: empty */
+} CachedRank;
 
 typedef struct {
     PyObject_HEAD
@@ -33,7 +50,21 @@ typedef struct {
     PyObject *tree;     /* the index's tree: apply_raw(slot, raw) -> (ok, parent, block) */
     PyObject *counters; /* dict: status -> events */
     PyObject *keys[3];  /* the statuses OK, PARENT_BLOCK_NOT_FOUND, BLOCK_NOT_FOUND */
+#if RANK_CACHE
+    /* (worker, dp) -> state as last looked up, by a mix of the pair: a buffer's rank was a
+     * tuple key built, hashed and compared with the dict's (~400 instructions a buffer) */
+    CachedRank cache[RANK_CACHE];
+#endif
 } Applier;
+
+static void
+cache_clear(Applier *self)
+{
+#if RANK_CACHE
+    for (int k = 0; k < RANK_CACHE; k++)
+        Py_CLEAR(self->cache[k].st);
+#endif
+}
 
 static int
 Applier_init(Applier *self, PyObject *args, PyObject *kwds)
@@ -49,6 +80,7 @@ Applier_init(Applier *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->keys[0], Py_NewRef(ok));
     Py_XSETREF(self->keys[1], Py_NewRef(parent));
     Py_XSETREF(self->keys[2], Py_NewRef(block));
+    cache_clear(self); /* another ranks dict may have the same version tag */
     return 0;
 }
 
@@ -60,6 +92,10 @@ Applier_traverse(Applier *self, visitproc visit, void *arg)
     Py_VISIT(self->counters);
     for (int k = 0; k < 3; k++)
         Py_VISIT(self->keys[k]);
+#if RANK_CACHE
+    for (int k = 0; k < RANK_CACHE; k++)
+        Py_VISIT(self->cache[k].st);
+#endif
     return 0;
 }
 
@@ -71,6 +107,7 @@ Applier_clear(Applier *self)
     Py_CLEAR(self->counters);
     for (int k = 0; k < 3; k++)
         Py_CLEAR(self->keys[k]);
+    cache_clear(self);
     return 0;
 }
 
@@ -142,21 +179,45 @@ Applier_apply(Applier *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t first = w[1], n = w[2];
     if (n == 0 || first > UINT64_MAX - n + 1) /* the new last id is not a uint64: decoded */
         Py_RETURN_FALSE;
-    PyObject *dp = PyLong_FromUnsignedLongLong(w[0]);
-    if (dp == NULL)
-        return NULL;
-    PyObject *key = PyTuple_Pack(2, worker_id, dp);
-    Py_DECREF(dp);
-    if (key == NULL)
-        return NULL;
-    PyObject *st = PyDict_GetItemWithError(self->ranks, key); /* borrowed */
-    Py_DECREF(key);
-    if (st == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_FALSE; /* an unknown rank: created on the decoded path */
+    PyObject *st = NULL;
+#if RANK_CACHE
+    uint64_t worker;
+    /* an exact int's value: the dict's equality for such a key (anything else is looked up) */
+    int cacheable = dyn_u64_digits(worker_id, &worker);
+    CachedRank *c = NULL;
+    if (cacheable) {
+        uint64_t x = (worker ^ (w[0] * 0x9E3779B97F4A7C15ULL)) * 0xBF58476D1CE4E5B9ULL;
+        c = &self->cache[(x >> 32) & (RANK_CACHE - 1)];
+        if (c->st != NULL && c->version == DICT_VERSION(self->ranks) && c->worker == worker &&
+            c->dp == w[0])
+            st = Py_NewRef(c->st);
     }
-    Py_INCREF(st);
+#endif
+    if (st == NULL) {
+        PyObject *dp = PyLong_FromUnsignedLongLong(w[0]);
+        if (dp == NULL)
+            return NULL;
+        PyObject *key = PyTuple_Pack(2, worker_id, dp);
+        Py_DECREF(dp);
+        if (key == NULL)
+            return NULL;
+        st = PyDict_GetItemWithError(self->ranks, key); /* borrowed */
+        Py_DECREF(key);
+        if (st == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_FALSE; /* an unknown rank: created on the decoded path */
+        }
+        Py_INCREF(st);
+#if RANK_CACHE
+        if (c != NULL) {
+            c->worker = worker;
+            c->dp = w[0];
+            c->version = DICT_VERSION(self->ranks);
+            Py_XSETREF(c->st, Py_NewRef(st));
+        }
+#endif
+    }
     PyObject *result = NULL, *slot = NULL, *counts = NULL, *last = NULL;
     PyObject *v = dyn_slots_get(&rank_slots, st, F_RECOVERING);
     if (v == NULL)
@@ -180,20 +241,37 @@ Applier_apply(Applier *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if ((slot = dyn_slots_get(&rank_slots, st, F_SLOT)) == NULL)
         goto done;
-    PyObject *call[3] = {self->tree, slot, raw};
-    counts = PyObject_VectorcallMethod(str_apply_raw, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                       NULL);
-    if (counts == NULL)
-        goto done;
-    if (!PyTuple_Check(counts) || PyTuple_GET_SIZE(counts) != 3) {
-        PyErr_SetString(PyExc_TypeError, "tree.apply_raw returns (ok, parent, block)");
-        goto done;
+    Py_ssize_t native[3];
+    if (radix != NULL && Py_IS_TYPE(self->tree, radix->type)) { /* no method call, no tuple */
+        if (radix->apply_raw(self->tree, slot, raw, native) < 0)
+            goto done;
+    }
+    else {
+        PyObject *call[3] = {self->tree, slot, raw};
+        counts = PyObject_VectorcallMethod(str_apply_raw, call,
+                                           3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (counts == NULL)
+            goto done;
+        if (!PyTuple_Check(counts) || PyTuple_GET_SIZE(counts) != 3) {
+            PyErr_SetString(PyExc_TypeError, "tree.apply_raw returns (ok, parent, block)");
+            goto done;
+        }
     }
     if ((last = PyLong_FromUnsignedLongLong(first + n - 1)) == NULL)
         goto done;
     if (dyn_slots_put(&rank_slots, st, F_LAST, last) < 0)
         goto done;
     for (int k = 0; k < 3; k++) {
+        if (counts == NULL) {
+            if (native[k] == 0)
+                continue;
+            PyObject *c = PyLong_FromSsize_t(native[k]);
+            int rc = c == NULL ? -1 : count(self->counters, self->keys[k], c);
+            Py_XDECREF(c);
+            if (rc < 0)
+                goto done;
+            continue;
+        }
         PyObject *c = PyTuple_GET_ITEM(counts, k);
         int zero = PyLong_CheckExact(c) && Py_SIZE(c) == 0;
         if (!zero && count(self->counters, self->keys[k], c) < 0)
@@ -242,6 +320,8 @@ PyInit__apply_raw(void)
         return NULL;
     if ((str_apply_raw = PyUnicode_InternFromString("apply_raw")) == NULL)
         return NULL;
+    if ((radix = PyCapsule_Import(DYN_RADIX_API_CAPSULE, 0)) == NULL)
+        PyErr_Clear(); /* the native tree is not built: its method is called */
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "../_u64.h"
+#include "_radix_api.h"
 
 #define MAX_SLOT (1 << 24)
 
@@ -932,39 +933,38 @@ three_counts(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c)
     return t;
 }
 
-static PyObject *
-Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
+/* apply_raw(slot, raw) into counts (ok, parent, block): the method and the capsule's call */
+static int
+apply_raw(PyObject *tree, PyObject *slot_obj, PyObject *raw, Py_ssize_t counts[3])
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "apply_raw(slot, raw)");
-        return NULL;
-    }
+    Tree *t = (Tree *)tree;
     uint32_t slot;
-    if (as_slot(args[0], &slot) < 0)
-        return NULL;
-    if (!PyBytes_Check(args[1])) {
+    if (as_slot(slot_obj, &slot) < 0)
+        return -1;
+    if (!PyBytes_Check(raw)) {
         PyErr_SetString(PyExc_TypeError, "raw events are bytes");
-        return NULL;
+        return -1;
     }
-    Py_ssize_t len = PyBytes_GET_SIZE(args[1]), nw = len / 8, ok = 0, parent = 0, block = 0;
+    Py_ssize_t len = PyBytes_GET_SIZE(raw), nw = len / 8, ok = 0, parent = 0, block = 0;
+    counts[0] = counts[1] = counts[2] = 0;
     if (len == 0)
-        return three_counts(ok, parent, block);
+        return 0;
     /* a bytes object's data follows its 32-byte header: 8-byte aligned */
-    const uint64_t *w = (const uint64_t *)PyBytes_AS_STRING(args[1]);
+    const uint64_t *w = (const uint64_t *)PyBytes_AS_STRING(raw);
     Py_ssize_t at = RAW_HEADER, nvalues;
     uint64_t count = nw >= RAW_HEADER ? w[2] : 0;
     for (uint64_t i = 0; i < count && at >= 0; i++) /* checked whole before any change */
         at = raw_event_end(w, nw, at, &nvalues);
     if (len % 8 || nw < RAW_HEADER || at != nw) {
         PyErr_SetString(PyExc_ValueError, "malformed raw events");
-        return NULL;
+        return -1;
     }
     at = RAW_HEADER;
+    int rc = 0;
     for (uint64_t i = 0; i < count; i++) {
         Py_ssize_t end = raw_event_end(w, nw, at, &nvalues);
-        int rc = raw_apply_one(t, slot, w + at, nvalues);
-        if (rc < 0)
-            return NULL;
+        if ((rc = raw_apply_one(t, slot, w + at, nvalues)) < 0)
+            break; /* what was applied is counted */
         if (rc)
             ok++;
         else if ((w[at] & 3) == RAW_STORED)
@@ -973,7 +973,23 @@ Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
             block++;
         at = end;
     }
-    return three_counts(ok, parent, block);
+    counts[0] = ok;
+    counts[1] = parent;
+    counts[2] = block;
+    return rc < 0 ? -1 : 0;
+}
+
+static PyObject *
+Tree_apply_raw(Tree *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "apply_raw(slot, raw)");
+        return NULL;
+    }
+    Py_ssize_t counts[3];
+    if (apply_raw((PyObject *)t, args[0], args[1], counts) < 0)
+        return NULL;
+    return three_counts(counts[0], counts[1], counts[2]);
 }
 
 static void
@@ -1468,6 +1484,13 @@ PyInit__radix(void)
     Py_INCREF(&TreeType);
     if (PyModule_AddObject(m, "RadixTree", (PyObject *)&TreeType) < 0) {
         Py_DECREF(&TreeType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    static DynRadixApi api = {&TreeType, apply_raw};
+    PyObject *capsule = PyCapsule_New(&api, DYN_RADIX_API_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }

@@ -119,3 +119,34 @@ def test_edges(native: ModuleType, which: str) -> None:
         apply(1, one)
     with pytest.raises(TypeError):
         module.InOrderApplier([], tree, {}, *KEYS)
+
+
+@pytest.mark.parametrize("which", ["native", "fallback"])
+def test_the_rank_applied_is_the_dicts_current_one(native: ModuleType, which: str) -> None:
+    """A rank replaced, removed or added between buffers (the native side remembers the states it
+    looked up while the dict is unchanged): each buffer goes to the state the dict holds then."""
+    module = native if which == "native" else py
+    tree, counters = RadixTree(), dict.fromkeys(EventStatus, 0)
+    big = 2**63 + 5  # a worker id past the signed range
+    old = SlottedRank(0, 4)
+    ranks: dict[tuple[int, int], Any] = {(1, 0): old, (big, 2): SlottedRank(2, 0)}
+    apply = module.InOrderApplier(ranks, tree, counters, *KEYS).apply
+
+    def stored(event_id: int, block: int, dp_rank: int = 0) -> bytes:
+        data = BlocksStored(parent_hash=None, blocks=[StoredBlock(block, block)])
+        return kv_raw.encode([KVCacheEvent(event_id=event_id, data=data, dp_rank=dp_rank)])
+
+    assert apply(1, stored(5, 9)) is True and old.last_id == 5
+    assert apply(big, stored(1, 8, 2)) is True and ranks[(big, 2)].last_id == 1
+    new = SlottedRank(1, 4)
+    ranks[(1, 0)] = new  # the same key, another state
+    assert apply(1, stored(5, 9)) is True
+    assert (old.last_id, new.last_id) == (5, 5)
+    assert tree.find_matches([9]) == {0: 1, 1: 1}
+    del ranks[(1, 0)]
+    assert apply(1, stored(6, 7)) is False  # unknown now: the caller decodes it
+    ranks[(1, 0)] = old
+    assert apply(1, stored(6, 7)) is True and old.last_id == 6
+    assert apply(True, stored(7, 6)) is True and old.last_id == 7  # True == 1: the same key
+    assert apply(big, stored(2, 5, 2)) is True and ranks[(big, 2)].last_id == 2
+    assert counters[EventStatus.OK] == 6
