@@ -34,27 +34,33 @@ enum { R_IDLE = 0, R_SCHEDULED = 1, R_BUSY = 2 };
 /* The slotted dataclasses' fields it reads and writes, at their offsets (dynamo/_slots.h):
  * pools.py's Rank and Pool, mocker/timing.py's TimingModel (read only: it is frozen). */
 static const char *const rank_fields[] = {"sched", "pool", "state", "raw", "passes", "worker_id"};
-static const char *const pool_fields[] = {"core", "role", "queue"};
+static const char *const pool_fields[] = {"core", "role", "queue", "config"};
 static const char *const timing_fields[] = {"speedup_ratio", "decode_speedup_ratio",
                                             "total_kv_tokens"};
 /* A finished request's bookkeeping (``Simulation._retire`` and ``_finish``): flight.py's
  * Flight, bench/request.py's RequestRecord, engine_core/sequence.py's Sequence. */
-static const char *const flight_fields[] = {"request_id", "record", "done", "tokens",
-                                            "spec",       "load",   "runner"};
+static const char *const flight_fields[] = {"request_id", "record", "done",    "tokens", "spec",
+                                            "load",       "runner", "routing", "rank"};
+/* A request to send (bench/request.py's RequestSpec): what ``Simulation._send`` reads. */
+static const char *const spec_fields[] = {"prompt", "max_tokens", "expected_prompt_tokens",
+                                          "session", "turn", "group"};
 static const char *const record_fields[] = {"end",           "status", "prompt_tokens",
                                             "cached_tokens", "finish_reason", "itl"};
 static const char *const seq_fields[] = {"request_id", "num_prompt_tokens", "num_cached_tokens",
                                          "finish_reason"};
 enum { RK_SCHED, RK_POOL, RK_STATE, RK_RAW, RK_PASSES, RK_WORKER_ID };
-enum { FL_REQUEST_ID, FL_RECORD, FL_DONE, FL_TOKENS, FL_SPEC, FL_LOAD, FL_RUNNER };
+enum { FL_REQUEST_ID, FL_RECORD, FL_DONE, FL_TOKENS, FL_SPEC, FL_LOAD, FL_RUNNER, FL_ROUTING,
+       FL_RANK };
+enum { SP_PROMPT, SP_MAX_TOKENS, SP_EXPECTED, SP_SESSION, SP_TURN, SP_GROUP };
 enum { RC_END, RC_STATUS, RC_PROMPT_TOKENS, RC_CACHED_TOKENS, RC_FINISH_REASON, RC_ITL };
 enum { SQ_REQUEST_ID, SQ_PROMPT_TOKENS, SQ_CACHED_TOKENS, SQ_FINISH_REASON };
-enum { PL_CORE, PL_ROLE, PL_QUEUE };
+enum { PL_CORE, PL_ROLE, PL_QUEUE, PL_CONFIG };
 enum { TM_SPEEDUP, TM_DECODE_SPEEDUP, TM_TOTAL_KV };
 static DynSlots rank_slots = DYN_SLOTS_OF(rank_fields), pool_slots = DYN_SLOTS_OF(pool_fields),
                 timing_slots = DYN_SLOTS_OF(timing_fields),
                 flight_slots = DYN_SLOTS_OF(flight_fields),
-                record_slots = DYN_SLOTS_OF(record_fields), seq_slots = DYN_SLOTS_OF(seq_fields);
+                record_slots = DYN_SLOTS_OF(record_fields), seq_slots = DYN_SLOTS_OF(seq_fields),
+                spec_slots = DYN_SLOTS_OF(spec_fields);
 
 static PyObject *s_now, *s_next_ready_at, *s_push, *s_apply_events, *s_prefill_completed,
     *s_request_id, *s_retire, *s_has_work, *s_release_held, *s_next_when, *s_pop, *s_popleft,
@@ -117,14 +123,20 @@ attr_true(PyObject *obj, PyObject *name)
 
 /* queue.push(when, kind, order, rank) (``order`` stolen). */
 static int
-push(Loop *L, PyObject *when, int kind, PyObject *order, PyObject *rank)
+push_to(PyObject *queue, PyObject *when, int kind, PyObject *order, PyObject *rank)
 {
     if (order == NULL)
         return -1;
     PyObject *args[4] = {when, kind_obj[kind], order, rank};
-    int rc = done(call_method(L->queue, s_push, args, 4));
+    int rc = done(call_method(queue, s_push, args, 4));
     Py_DECREF(order);
     return rc;
+}
+
+static int
+push(Loop *L, PyObject *when, int kind, PyObject *order, PyObject *rank)
+{
+    return push_to(L->queue, when, kind, order, rank);
 }
 
 static int
@@ -661,12 +673,318 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
 }
 
+
+/* -- the common send ------------------------------------------------------------------------ */
+
+/* ``sender(sim)``: ``Simulation._send`` with ``_arrive``, ``_route`` (the pool's ``route``
+ * within it), ``_sequence`` and ``_enqueue``, for a simulation whose every send takes that one
+ * path: no frontend model, no router queue, aggregated workers behind the KV router
+ * (``Simulation._phase`` gives one to the phase's load generator then). The same calls on the
+ * collaborators in the same order, so the same records, routing and events
+ * (tests/unit/replay/test_loop_native.py compares whole runs with the Python path); a prompt
+ * that is not a list goes to ``sim._send``, which refuses it. Why native: these were six Python
+ * frames a request (docs/performance.md, "Offline replay"). It keeps no flight: ``sim.flights``
+ * is read at each send (a run hands that list to its result and the simulation keeps none). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *sim, *prefix, *by_id, *timeouts, *hasher, *core, *ranks, *queue, *counter;
+    PyObject *record_type, *flight_type, *routing_type, *new_sequence, *dynamo_error;
+} Sender;
+
+static PyObject *s_flights, *s_send, *s_hashes, *s_route, *s_worker_id, *s_dp_rank,
+    *s_overlap_blocks, *s_cost, *s_enqueue, *s_fail, *s_load, *s_timeout_s, *s_append,
+    *kw_route, *kw_sequence;
+
+/* The send's ``except DynamoError as exc: self._fail(flight, exc)``: 0 when it was one and
+ * ``_fail`` ran, -1 with the exception otherwise. */
+static int
+fail_with(Sender *S, PyObject *flight)
+{
+    if (!PyErr_ExceptionMatches(S->dynamo_error))
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *args[2] = {flight, value};
+    int rc = done(call_method(S->sim, s_fail, args, 2));
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return rc;
+}
+
+/* ``_route`` from the pool's route on (``hashes`` the prompt's, ``v`` the spec's fields), then
+ * ``_enqueue``: 0, or -1 with an exception. */
+static int
+route_and_enqueue(Sender *S, PyObject *flight, PyObject *rid, PyObject *prompt, PyObject *now,
+                  PyObject *hashes, PyObject *max_tokens)
+{
+    int rc = -1;
+    PyObject *isl = NULL, *chosen = NULL, *wid = NULL, *dpr = NULL, *overlap = NULL;
+    PyObject *cost = NULL, *out = NULL, *key = NULL, *rank = NULL, *pool = NULL, *config = NULL;
+    PyObject *seq = NULL, *sched = NULL, *state = NULL;
+    if (!PyTuple_Check(hashes) || PyTuple_GET_SIZE(hashes) != 2) {
+        PyErr_SetString(PyExc_TypeError, "the prompt's hashes are a (local, sequence) pair");
+        return -1;
+    }
+    if ((isl = PyLong_FromSsize_t(PyList_GET_SIZE(prompt))) == NULL)
+        return -1;
+    /* core.route(request_id, local, len(tokens), seq_hashes=seqs) */
+    PyObject *rargs[5] = {S->core, rid, PyTuple_GET_ITEM(hashes, 0), isl,
+                          PyTuple_GET_ITEM(hashes, 1)};
+    chosen = PyObject_VectorcallMethod(s_route, rargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, kw_route);
+    if (chosen == NULL)
+        goto failed;
+    if ((wid = PyObject_GetAttr(chosen, s_worker_id)) == NULL ||
+        (dpr = PyObject_GetAttr(chosen, s_dp_rank)) == NULL ||
+        (overlap = PyObject_GetAttr(chosen, s_overlap_blocks)) == NULL ||
+        (cost = PyObject_GetAttr(chosen, s_cost)) == NULL)
+        goto failed;
+    PyObject *oargs[4] = {wid, dpr, overlap, cost};
+    if ((out = PyObject_Vectorcall(S->routing_type, oargs, 4, NULL)) == NULL ||
+        (key = PyTuple_Pack(2, wid, dpr)) == NULL ||
+        (rank = PyObject_GetItem(S->ranks, key)) == NULL ||
+        dyn_slots_put(&flight_slots, flight, FL_ROUTING, out) < 0 ||
+        (pool = dyn_slots_get(&rank_slots, rank, RK_POOL)) == NULL ||
+        (config = dyn_slots_get(&pool_slots, pool, PL_CONFIG)) == NULL)
+        goto failed;
+    /* new_sequence(config, tokens, request_id, now, max_tokens=..., ignore_eos=True,
+     *              handoff=None, hashes=hashes) */
+    PyObject *nargs[8] = {config, prompt, rid, now, max_tokens, Py_True, Py_None, hashes};
+    if ((seq = PyObject_Vectorcall(S->new_sequence, nargs, 4, kw_sequence)) == NULL)
+        goto failed;
+    /* _enqueue */
+    if (dyn_slots_put(&flight_slots, flight, FL_RANK, rank) < 0 ||
+        (sched = dyn_slots_get(&rank_slots, rank, RK_SCHED)) == NULL ||
+        done(call_method(sched, s_enqueue, &seq, 1)) < 0 ||
+        (state = dyn_slots_get(&rank_slots, rank, RK_STATE)) == NULL)
+        goto end;
+    int idle = PyObject_RichCompareBool(state, state_obj[R_IDLE], Py_EQ);
+    if (idle < 0)
+        goto end;
+    if (idle && (dyn_slots_put(&rank_slots, rank, RK_STATE, state_obj[R_SCHEDULED]) < 0 ||
+                 push_to(S->queue, now, K_PASS_START, PyIter_Next(S->counter), rank) < 0))
+        goto end;
+    rc = 0;
+    goto end;
+failed: /* inside _route's try: a DynamoError fails the request */
+    rc = fail_with(S, flight);
+end:
+    Py_XDECREF(isl);
+    Py_XDECREF(chosen);
+    Py_XDECREF(wid);
+    Py_XDECREF(dpr);
+    Py_XDECREF(overlap);
+    Py_XDECREF(cost);
+    Py_XDECREF(out);
+    Py_XDECREF(key);
+    Py_XDECREF(rank);
+    Py_XDECREF(pool);
+    Py_XDECREF(config);
+    Py_XDECREF(seq);
+    Py_XDECREF(sched);
+    Py_XDECREF(state);
+    return rc;
+}
+
+/* ``send(spec, runner, load)``: see ``Sender``. */
+static PyObject *
+sender_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Sender *S = (Sender *)self;
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "send(spec, runner, load)");
+        return NULL;
+    }
+    PyObject *spec = args[0], *runner = args[1], *load = args[2];
+    PyObject *prompt = dyn_slots_get(&spec_slots, spec, SP_PROMPT);
+    if (prompt == NULL)
+        return NULL;
+    if (!PyList_Check(prompt)) { /* refused by the Python path */
+        Py_DECREF(prompt);
+        return call_method(S->sim, s_send, args, 3);
+    }
+    int rc = -1;
+    PyObject *v[5] = {NULL}; /* max_tokens, expected_prompt_tokens, session, turn, group */
+    PyObject *now = NULL, *flights = NULL, *record = NULL, *rid = NULL, *index = NULL;
+    PyObject *flight = NULL, *phase = NULL, *timeout = NULL, *hashes = NULL;
+    if ((now = PyObject_GetAttr(S->sim, s_now)) == NULL ||
+        (flights = PyObject_GetAttr(S->sim, s_flights)) == NULL)
+        goto end;
+    if (!PyList_Check(flights)) {
+        PyErr_SetString(PyExc_TypeError, "the simulation's flights are a list");
+        goto end;
+    }
+    for (int k = 0; k < 5; k++)
+        if ((v[k] = dyn_slots_get(&spec_slots, spec, SP_MAX_TOKENS + k)) == NULL)
+            goto end;
+    Py_ssize_t n = PyList_GET_SIZE(flights);
+    PyObject *rargs[6] = {now, v[0], v[1], v[2], v[3], v[4]}; /* RequestRecord's first six */
+    if ((record = PyObject_Vectorcall(S->record_type, rargs, 6, NULL)) == NULL ||
+        (rid = PyUnicode_FromFormat("%U-%zd", S->prefix, n)) == NULL ||
+        (index = PyLong_FromSsize_t(n)) == NULL)
+        goto end;
+    PyObject *fargs[7] = {index, rid, record, spec, runner, load, prompt};
+    if ((flight = PyObject_Vectorcall(S->flight_type, fargs, 7, NULL)) == NULL ||
+        PyList_Append(flights, flight) < 0 || PyDict_SetItem(S->by_id, rid, flight) < 0 ||
+        (phase = PyObject_GetAttr(load, s_load)) == NULL ||
+        (timeout = PyObject_GetAttr(phase, s_timeout_s)) == NULL)
+        goto end;
+    if (timeout != Py_None) { /* the request's deadline */
+        PyObject *when = PyNumber_Add(now, timeout);
+        PyObject *pair = when == NULL ? NULL : PyTuple_Pack(2, when, flight);
+        Py_XDECREF(when);
+        int r = pair == NULL ? -1 : done(call_method(S->timeouts, s_append, &pair, 1));
+        Py_XDECREF(pair);
+        if (r < 0)
+            goto end;
+    }
+    /* _arrive: hashed (keyed by its prefix group, if any), then routed */
+    int grouped = PyObject_RichCompareBool(v[4], kind_obj[0], Py_GE);
+    if (grouped < 0)
+        goto end;
+    PyObject *hargs[2] = {prompt, grouped ? v[4] : Py_None};
+    if ((hashes = call_method(S->hasher, s_hashes, hargs, 2)) == NULL)
+        goto end;
+    rc = route_and_enqueue(S, flight, rid, prompt, now, hashes, v[0]);
+end:
+    Py_DECREF(prompt);
+    for (int k = 0; k < 5; k++)
+        Py_XDECREF(v[k]);
+    Py_XDECREF(now);
+    Py_XDECREF(flights);
+    Py_XDECREF(record);
+    Py_XDECREF(rid);
+    Py_XDECREF(index);
+    Py_XDECREF(flight);
+    Py_XDECREF(phase);
+    Py_XDECREF(timeout);
+    Py_XDECREF(hashes);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static int
+sender_traverse(Sender *S, visitproc visit, void *arg)
+{
+    Py_VISIT(S->sim);
+    Py_VISIT(S->prefix);
+    Py_VISIT(S->by_id);
+    Py_VISIT(S->timeouts);
+    Py_VISIT(S->hasher);
+    Py_VISIT(S->core);
+    Py_VISIT(S->ranks);
+    Py_VISIT(S->queue);
+    Py_VISIT(S->counter);
+    Py_VISIT(S->record_type);
+    Py_VISIT(S->flight_type);
+    Py_VISIT(S->routing_type);
+    Py_VISIT(S->new_sequence);
+    Py_VISIT(S->dynamo_error);
+    return 0;
+}
+
+static int
+sender_clear(Sender *S)
+{
+    Py_CLEAR(S->sim);
+    Py_CLEAR(S->prefix);
+    Py_CLEAR(S->by_id);
+    Py_CLEAR(S->timeouts);
+    Py_CLEAR(S->hasher);
+    Py_CLEAR(S->core);
+    Py_CLEAR(S->ranks);
+    Py_CLEAR(S->queue);
+    Py_CLEAR(S->counter);
+    Py_CLEAR(S->record_type);
+    Py_CLEAR(S->flight_type);
+    Py_CLEAR(S->routing_type);
+    Py_CLEAR(S->new_sequence);
+    Py_CLEAR(S->dynamo_error);
+    return 0;
+}
+
+static void
+sender_dealloc(Sender *S)
+{
+    PyObject_GC_UnTrack(S);
+    sender_clear(S);
+    PyObject_GC_Del(S);
+}
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dynamo.replay._loop.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Sender, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = (traverseproc)sender_traverse,
+    .tp_clear = (inquiry)sender_clear,
+    .tp_dealloc = (destructor)sender_dealloc,
+    .tp_doc = "send(spec, runner, load): Simulation._send's common path (see sender()).",
+};
+
+/* ``sim``'s attribute ``name`` into *slot (a new reference): 0, or -1 with an exception. */
+static int
+take_attr(PyObject *obj, const char *name, PyObject **slot)
+{
+    return (*slot = PyObject_GetAttrString(obj, name)) == NULL ? -1 : 0;
+}
+
+static PyObject *
+sender(PyObject *module, PyObject *sim)
+{
+    Sender *S = PyObject_GC_New(Sender, &SenderType);
+    if (S == NULL)
+        return NULL;
+    S->vectorcall = sender_call;
+    S->sim = Py_NewRef(sim);
+    S->prefix = S->by_id = S->timeouts = S->hasher = S->core = S->ranks = S->queue = NULL;
+    S->counter = S->record_type = S->flight_type = S->routing_type = NULL;
+    S->new_sequence = S->dynamo_error = NULL;
+    PyObject_GC_Track(S);
+    PyObject *pool = NULL, *m = NULL;
+    int rc = -1;
+    if (take_attr(sim, "_prefix", &S->prefix) < 0 || take_attr(sim, "_by_id", &S->by_id) < 0 ||
+        take_attr(sim, "_timeouts", &S->timeouts) < 0 ||
+        take_attr(sim, "_hasher", &S->hasher) < 0 ||
+        take_attr(sim, "_events_queue", &S->queue) < 0 ||
+        take_attr(sim, "_counter", &S->counter) < 0 ||
+        take_attr(sim, "decode_pool", &pool) < 0 || take_attr(pool, "core", &S->core) < 0 ||
+        take_attr(pool, "ranks", &S->ranks) < 0)
+        goto end;
+    if (!PyUnicode_CheckExact(S->prefix) || !PyDict_CheckExact(S->by_id)) {
+        PyErr_SetString(PyExc_TypeError, "a simulation's id prefix is a str, _by_id a dict");
+        goto end;
+    }
+    /* the names simulator.py's _send path calls */
+    if ((m = PyImport_ImportModule("dynamo.replay.simulator")) == NULL ||
+        take_attr(m, "RequestRecord", &S->record_type) < 0 ||
+        take_attr(m, "Flight", &S->flight_type) < 0 ||
+        take_attr(m, "RoutingRecord", &S->routing_type) < 0 ||
+        take_attr(m, "new_sequence", &S->new_sequence) < 0 ||
+        take_attr(m, "DynamoError", &S->dynamo_error) < 0)
+        goto end;
+    rc = 0;
+end:
+    Py_XDECREF(pool);
+    Py_XDECREF(m);
+    if (rc < 0)
+        Py_CLEAR(S);
+    return (PyObject *)S;
+}
+
 static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(sim, queue, timeouts, counter, wake, deliver): one phase of the replay's event loop "
      "to its end; the events processed."},
     {"pass_seconds", (PyCFunction)(void (*)(void))pass_seconds, METH_FASTCALL,
      "pass_seconds(timing, prefill, context, decodes): TimingModel.pass_seconds in C."},
+    {"sender", (PyCFunction)sender, METH_O,
+     "sender(sim): Simulation._send's common path (no frontend model, no router queue, "
+     "aggregated, KV router) as one callable send(spec, runner, load)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -696,11 +1014,31 @@ PyInit__loop(void)
         intern(&s_mock_pass, "mock_pass") || intern(&s_vocab_size, "_vocab_size") ||
         intern(&s_excluded, "_excluded") || intern(&s_timing, "timing") ||
         intern(&s_free, "free") || intern(&s_ended, "ended") ||
-        intern(&s_decode_text, "_decode_text") || intern(&str_length, "length"))
+        intern(&s_decode_text, "_decode_text") || intern(&str_length, "length") ||
+        intern(&s_flights, "flights") || intern(&s_send, "_send") ||
+        intern(&s_hashes, "hashes") || intern(&s_route, "route") ||
+        intern(&s_worker_id, "worker_id") || intern(&s_dp_rank, "dp_rank") ||
+        intern(&s_overlap_blocks, "overlap_blocks") || intern(&s_cost, "cost") ||
+        intern(&s_enqueue, "enqueue") || intern(&s_fail, "_fail") || intern(&s_load, "load") ||
+        intern(&s_timeout_s, "timeout_s") || intern(&s_append, "append"))
+        return NULL;
+    /* the keyword names of the send's two calls (interned: matched by identity) */
+    const char *const kw_texts[5] = {"seq_hashes", "max_tokens", "ignore_eos", "handoff",
+                                     "hashes"};
+    PyObject *kw[5];
+    for (int k = 0; k < 5; k++)
+        if ((kw[k] = PyUnicode_InternFromString(kw_texts[k])) == NULL)
+            return NULL;
+    kw_route = PyTuple_Pack(1, kw[0]);
+    kw_sequence = PyTuple_Pack(4, kw[1], kw[2], kw[3], kw[4]);
+    for (int k = 0; k < 5; k++)
+        Py_DECREF(kw[k]);
+    if (kw_route == NULL || kw_sequence == NULL || PyType_Ready(&SenderType) < 0)
         return NULL;
     if (dyn_slots_init(&rank_slots) < 0 || dyn_slots_init(&pool_slots) < 0 ||
         dyn_slots_init(&timing_slots) < 0 || dyn_slots_init(&flight_slots) < 0 ||
-        dyn_slots_init(&record_slots) < 0 || dyn_slots_init(&seq_slots) < 0)
+        dyn_slots_init(&record_slots) < 0 || dyn_slots_init(&seq_slots) < 0 ||
+        dyn_slots_init(&spec_slots) < 0)
         return NULL;
     if ((status_ok = PyLong_FromLong(200)) == NULL)
         return NULL;

@@ -28,3 +28,9 @@ def run(
 def pass_seconds(timing: Any, prefill: int, context: int, decodes: int) -> float:
     """``timing.pass_seconds(prefill, context, decodes)`` of a ``TimingModel`` as the loop
     computes it in C (the same float; exposed for the test that compares them)."""
+
+def sender(sim: Any) -> Callable[[Any, Any, Any], None]:
+    """``sim._send`` for a simulation whose every send takes one path (no frontend model, no
+    router queue, aggregated workers, the KV router): ``send(spec, runner, load)`` does what
+    ``_send``, ``_arrive``, ``_route``, ``_sequence`` and ``_enqueue`` do there, the same calls
+    in the same order (a prompt that is not a list goes to ``sim._send``)."""

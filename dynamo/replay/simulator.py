@@ -52,7 +52,7 @@ from dynamo.replay.deployment import Deployment
 from dynamo.replay.events import EventQueue
 from dynamo.replay.flight import Flight, SimulationResult
 from dynamo.replay.frontend_model import FrontendModel, wake_or_arrive
-from dynamo.replay.load import LoadGenerator, LoadSpec, Runner
+from dynamo.replay.load import LoadGenerator, LoadSpec, Runner, Send
 from dynamo.replay.pools import (
     BUSY,
     IDLE,
@@ -177,12 +177,22 @@ class Simulation:
 
     def _phase(self, load: LoadSpec, sessions: Iterator[Session], origin: float) -> int:
         """Run one phase of load to its end (nothing left to happen); the events processed."""
+        send: Send = self._send
+        pool = self.decode_pool
+        if (
+            _native_loop is not None
+            and self._frontend is None
+            and self.prefill_pool is None
+            and pool.core is not None
+            and pool.queue is None
+        ):  # every send routed at once by the KV router: _send's path in C (replay/_loop.c)
+            send = _native_loop.sender(self)
         gen = LoadGenerator(
             load,
             sessions,
             clock=self._clock,
             schedule=self._schedule_send,
-            send=self._send,
+            send=send,
             origin=origin,
         )
         gen.start()
