@@ -140,6 +140,32 @@ def test_same_outcome_with_decoded_text(
     assert _outcome(bench, deployment) == fast
 
 
+def test_same_outcome_when_workers_refuse_requests(
+    native: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of random lengths, some beyond one rank's KV pool: the engine refuses those at
+    the send (``new_sequence``'s ``InvalidArgument``, the request failed with ``http_400``),
+    in the C send as in ``Simulation._route``, the others run; and with a timeout."""
+    deployment = Deployment(2, "kv", engine=MockerConfig(num_gpu_blocks=12, block_size=16))
+    for timeout in ({}, {"request_timeout_s": 0.5}):
+        bench = BenchConfig(
+            url="replay:",
+            isl=150,
+            isl_stddev=60.0,
+            osl=8,
+            concurrency=6,
+            num_requests=60,
+            seed=7,
+            **timeout,
+        )
+        monkeypatch.setattr(simulator, "_native_loop", native)
+        fast = _outcome(bench, deployment)
+        monkeypatch.setattr(simulator, "_native_loop", None)
+        assert _outcome(bench, deployment) == fast
+        errors = {msgspec.json.decode(r)["error"] for r in fast[0]}
+        assert "http_400" in errors and None in errors
+
+
 @pytest.mark.parametrize(
     ("seed", "owner", "name"),
     [
