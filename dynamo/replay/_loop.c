@@ -79,6 +79,12 @@ typedef struct {
     /* simulator.py's placeholders of an ended flight's prompt and spec (strong); NULL: every
      * finished request goes through ``sim._retire`` (the simulation decodes text) */
     PyObject *ended_tokens, *ended_spec;
+    /* What the scheduler's and the router's thin methods call, read from their modules at the
+     * run's start (strong; NULL: those methods are called): ``Scheduler.mock_pass``'s kernel,
+     * ``RoutingCore.prefill_completed``'s and ``free``'s functions. The scheduler and router
+     * classes found to have those methods unchanged (strong, NULL until one is met). */
+    PyObject *kernel, *mark, *free_fn;
+    PyObject *sched_type, *core_type;
 } Loop;
 
 /* obj.name(args...) with a vectorcall; a new reference or NULL. */
@@ -119,6 +125,154 @@ attr_true(PyObject *obj, PyObject *name)
     int t = PyObject_IsTrue(v);
     Py_DECREF(v);
     return t;
+}
+
+/* The methods whose bodies the loop runs itself (``direct_calls``) as they are defined: captured when
+ * the module is imported, so a class whose method was replaced since (a test's monkeypatch, a
+ * subclass) is called through the method. */
+static PyObject *orig_mock_pass, *orig_has_work, *orig_apply_events, *orig_prefill_completed,
+    *orig_free;
+static PyObject *s__running, *s__waiting, *s__requests, *s_kv, *s_config, *s_transfer_seconds,
+    *s_indexer, *s_apply_in_order, *s_apply_raw, *s_sequences;
+
+/* Whether ``type`` (the class of an object met first) has the attributes ``names`` exactly as
+ * ``origs``: 1 or 0 (a lookup error is a difference). */
+static int
+has_originals(PyObject *type, PyObject *const *names, PyObject *const *origs, int n)
+{
+    for (int k = 0; k < n; k++) {
+        PyObject *a = PyObject_GetAttr(type, names[k]);
+        if (a == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        int same = a == origs[k];
+        Py_DECREF(a);
+        if (!same)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether ``sched``'s ``mock_pass`` and ``has_work`` are ``Scheduler``'s (its class verified
+ * once a run): then the pass calls the kernel and reads ``_requests`` itself. */
+static int
+plain_sched(Loop *L, PyObject *sched)
+{
+    PyObject *type = (PyObject *)Py_TYPE(sched);
+    if (type == L->sched_type)
+        return 1;
+    if (L->sched_type != NULL || L->kernel == NULL)
+        return 0;
+    PyObject *names[2] = {s_mock_pass, s_has_work}, *origs[2] = {orig_mock_pass, orig_has_work};
+    if (!has_originals(type, names, origs, 2))
+        return 0;
+    L->sched_type = Py_NewRef(type);
+    return 1;
+}
+
+/* Whether ``core``'s ``apply_events``, ``prefill_completed`` and ``free`` are
+ * ``RoutingCore``'s (its class verified once a run). */
+static int
+plain_core(Loop *L, PyObject *core)
+{
+    PyObject *type = (PyObject *)Py_TYPE(core);
+    if (type == L->core_type)
+        return 1;
+    if (L->core_type != NULL || L->mark == NULL)
+        return 0;
+    PyObject *names[3] = {s_apply_events, s_prefill_completed, s_free};
+    PyObject *origs[3] = {orig_apply_events, orig_prefill_completed, orig_free};
+    if (!has_originals(type, names, origs, 3))
+        return 0;
+    L->core_type = Py_NewRef(type);
+    return 1;
+}
+
+/* ``fn(core.sequences, request_id)``: ``RoutingCore.prefill_completed`` / ``free``'s body. */
+static PyObject *
+on_sequences(PyObject *fn, PyObject *core, PyObject *rid)
+{
+    PyObject *seqs = PyObject_GetAttr(core, s_sequences);
+    if (seqs == NULL)
+        return NULL;
+    PyObject *args[2] = {seqs, rid};
+    PyObject *r = PyObject_Vectorcall(fn, args, 2, NULL);
+    Py_DECREF(seqs);
+    return r;
+}
+
+/* ``core.prefill_completed(rid)`` / ``core.free(rid)`` (``name``), without the method's frame
+ * when ``core`` is a plain ``RoutingCore``: 0, or -1 with an exception. */
+static int
+core_call(Loop *L, PyObject *core, PyObject *name, PyObject *fn, PyObject *rid)
+{
+    if (plain_core(L, core))
+        return done(on_sequences(fn, core, rid));
+    return done(call_method(core, name, &rid, 1));
+}
+
+/* ``core.apply_events(worker_id, events)``; a plain ``RoutingCore``'s body for a raw buffer:
+ * its indexer's in-order applier, else ``apply_raw``. 0, or -1 with an exception. */
+static int
+apply_events(Loop *L, PyObject *core, PyObject *wid, PyObject *events)
+{
+    PyObject *args[2] = {wid, events};
+    if (!PyBytes_Check(events) || !plain_core(L, core))
+        return done(call_method(core, s_apply_events, args, 2));
+    PyObject *indexer = PyObject_GetAttr(core, s_indexer), *applier = NULL;
+    if (indexer == NULL)
+        return -1;
+    int rc = 0;
+    if (indexer != Py_None) {
+        applier = PyObject_GetAttr(indexer, s_apply_in_order);
+        PyObject *r = applier == NULL ? NULL : PyObject_Vectorcall(applier, args, 2, NULL);
+        int applied = r == NULL ? -1 : PyObject_IsTrue(r);
+        Py_XDECREF(r);
+        rc = applied < 0 ? -1 : applied ? 0 : done(call_method(indexer, s_apply_raw, args, 2));
+    }
+    Py_DECREF(indexer);
+    Py_XDECREF(applier);
+    return rc;
+}
+
+/* The truth of ``sched.has_work``: ``Scheduler``'s ``bool(self._requests)`` when plain. */
+static int
+has_work(Loop *L, PyObject *sched)
+{
+    if (!plain_sched(L, sched))
+        return attr_true(sched, s_has_work);
+    PyObject *requests = PyObject_GetAttr(sched, s__requests);
+    if (requests == NULL)
+        return -1;
+    int t = PyObject_IsTrue(requests);
+    Py_DECREF(requests);
+    return t;
+}
+
+/* ``sched.mock_pass(now, vocab, excluded)``; a plain ``Scheduler``'s body: its kernel called
+ * with the scheduler's queues, KV manager, config and ``transfer_seconds``. */
+static PyObject *
+mock_pass_of(Loop *L, PyObject *sched, PyObject *vocab, PyObject *excluded)
+{
+    if (!plain_sched(L, sched)) {
+        PyObject *args[3] = {L->now, vocab, excluded};
+        return call_method(sched, s_mock_pass, args, 3);
+    }
+    PyObject *a[9] = {NULL, NULL, NULL, NULL, NULL, L->now, NULL, vocab, excluded};
+    PyObject *const names[5] = {s__running, s__waiting, s__requests, s_kv, s_config};
+    PyObject *out = NULL;
+    for (int k = 0; k < 5; k++)
+        if ((a[k] = PyObject_GetAttr(sched, names[k])) == NULL)
+            goto end;
+    if ((a[6] = PyObject_GetAttr(sched, s_transfer_seconds)) == NULL)
+        goto end;
+    out = PyObject_Vectorcall(L->kernel, a, 9, NULL);
+end:
+    for (int k = 0; k < 5; k++)
+        Py_XDECREF(a[k]);
+    Py_XDECREF(a[6]);
+    return out;
 }
 
 /* queue.push(when, kind, order, rank) (``order`` stolen). */
@@ -232,8 +386,7 @@ pass_start(Loop *L, PyObject *rank)
     if (sched == NULL || (vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
         (excluded = PyObject_GetAttr(sched, s_excluded)) == NULL)
         goto end;
-    PyObject *args[3] = {L->now, vocab, excluded};
-    if ((out = call_method(sched, s_mock_pass, args, 3)) == NULL)
+    if ((out = mock_pass_of(L, sched, vocab, excluded)) == NULL)
         goto end;
     if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
         PyErr_SetString(PyExc_TypeError, "mock_pass returns a 7-tuple");
@@ -313,7 +466,7 @@ tokens_of(Loop *L, PyObject *tokens, PyObject *core)
         while (rc == 0 && it != NULL && (flight = PyIter_Next(it)) != NULL) {
             PyObject *rid = PyObject_GetAttr(flight, s_request_id);
             Py_DECREF(flight);
-            rc = rid == NULL ? -1 : done(call_method(core, s_prefill_completed, &rid, 1));
+            rc = rid == NULL ? -1 : core_call(L, core, s_prefill_completed, L->mark, rid);
             Py_XDECREF(rid);
         }
         if (rc == 0 && PyErr_Occurred())
@@ -376,7 +529,7 @@ retire_one(Loop *L, PyObject *seq, PyObject *core)
     }
     Py_INCREF(flight);
     if ((frid = dyn_slots_get(&flight_slots, flight, FL_REQUEST_ID)) == NULL ||
-        (core != Py_None && done(call_method(core, s_free, &frid, 1)) < 0) ||
+        (core != Py_None && core_call(L, core, s_free, L->free_fn, frid) < 0) ||
         (record = dyn_slots_get(&flight_slots, flight, FL_RECORD)) == NULL ||
         dyn_slots_put(&record_slots, record, RC_END, L->now) < 0 ||
         dyn_slots_put(&record_slots, record, RC_STATUS, status_ok) < 0 ||
@@ -472,8 +625,7 @@ pass_end(Loop *L, PyObject *rank)
             PyObject *wid = dyn_slots_get(&rank_slots, rank, RK_WORKER_ID);
             if (wid == NULL)
                 goto end;
-            PyObject *args[2] = {wid, events};
-            int r = done(call_method(core, s_apply_events, args, 2));
+            int r = apply_events(L, core, wid, events);
             Py_DECREF(wid);
             if (r < 0)
                 goto end;
@@ -500,7 +652,7 @@ pass_end(Loop *L, PyObject *rank)
     }
     if ((sched = dyn_slots_get(&rank_slots, rank, RK_SCHED)) == NULL)
         goto end;
-    int work = attr_true(sched, s_has_work);
+    int work = has_work(L, sched);
     if (work < 0)
         goto end;
     if (!work) {
@@ -635,6 +787,50 @@ ended_placeholders(Loop *L)
     return L->ended_spec == NULL ? -1 : 0;
 }
 
+/* The functions the thin methods call (``Loop``'s ``kernel``, ``mark``, ``free_fn``), looked up in
+ * their modules as the methods look them up: 0, or -1 with an exception. */
+static int
+direct_calls(Loop *L)
+{
+    PyObject *m = PyImport_ImportModule("dynamo.engine_core.scheduler");
+    if (m == NULL)
+        return -1;
+    L->kernel = PyObject_GetAttrString(m, "mock_pass");
+    Py_DECREF(m);
+    if (L->kernel == NULL || (m = PyImport_ImportModule("dynamo.router.core")) == NULL)
+        return -1;
+    L->mark = PyObject_GetAttrString(m, "mark_prefill_completed");
+    L->free_fn = L->mark == NULL ? NULL : PyObject_GetAttrString(m, "free");
+    Py_DECREF(m);
+    return L->free_fn == NULL ? -1 : 0;
+}
+
+/* ``Scheduler``'s and ``RoutingCore``'s methods as defined (module import): 0 or -1. */
+static int
+capture_originals(void)
+{
+    PyObject *m = PyImport_ImportModule("dynamo.engine_core.scheduler"), *cls = NULL;
+    if (m == NULL || (cls = PyObject_GetAttrString(m, "Scheduler")) == NULL ||
+        (orig_mock_pass = PyObject_GetAttr(cls, s_mock_pass)) == NULL ||
+        (orig_has_work = PyObject_GetAttr(cls, s_has_work)) == NULL)
+        goto fail;
+    Py_CLEAR(cls);
+    Py_DECREF(m);
+    if ((m = PyImport_ImportModule("dynamo.router.core")) == NULL ||
+        (cls = PyObject_GetAttrString(m, "RoutingCore")) == NULL ||
+        (orig_apply_events = PyObject_GetAttr(cls, s_apply_events)) == NULL ||
+        (orig_prefill_completed = PyObject_GetAttr(cls, s_prefill_completed)) == NULL ||
+        (orig_free = PyObject_GetAttr(cls, s_free)) == NULL)
+        goto fail;
+    Py_DECREF(cls);
+    Py_DECREF(m);
+    return 0;
+fail:
+    Py_XDECREF(cls);
+    Py_XDECREF(m);
+    return -1;
+}
+
 static PyObject *
 run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -642,14 +838,15 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "run(sim, queue, timeouts, counter, wake, deliver)");
         return NULL;
     }
-    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0, NULL, NULL};
+    Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0, NULL, NULL,
+              NULL, NULL, NULL, NULL, NULL};
     if ((L.by_id = PyObject_GetAttrString(L.sim, "_by_id")) == NULL)
         return NULL;
     if ((L.now = PyObject_GetAttr(L.sim, s_now)) == NULL) {
         Py_DECREF(L.by_id);
         return NULL;
     }
-    int rc = ended_placeholders(&L);
+    int rc = ended_placeholders(&L) < 0 || direct_calls(&L) < 0 ? -1 : 0;
     for (; rc == 0;) {
         Py_ssize_t queued = PyObject_Length(L.queue), waiting = PyObject_Length(L.timeouts);
         if (queued < 0 || waiting < 0) {
@@ -670,6 +867,11 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(L.now);
     Py_XDECREF(L.ended_tokens);
     Py_XDECREF(L.ended_spec);
+    Py_XDECREF(L.kernel);
+    Py_XDECREF(L.mark);
+    Py_XDECREF(L.free_fn);
+    Py_XDECREF(L.sched_type);
+    Py_XDECREF(L.core_type);
     return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
 }
 
@@ -1020,7 +1222,12 @@ PyInit__loop(void)
         intern(&s_worker_id, "worker_id") || intern(&s_dp_rank, "dp_rank") ||
         intern(&s_overlap_blocks, "overlap_blocks") || intern(&s_cost, "cost") ||
         intern(&s_enqueue, "enqueue") || intern(&s_fail, "_fail") || intern(&s_load, "load") ||
-        intern(&s_timeout_s, "timeout_s") || intern(&s_append, "append"))
+        intern(&s_timeout_s, "timeout_s") || intern(&s_append, "append") ||
+        intern(&s__running, "_running") || intern(&s__waiting, "_waiting") ||
+        intern(&s__requests, "_requests") || intern(&s_kv, "kv") || intern(&s_config, "config") ||
+        intern(&s_transfer_seconds, "transfer_seconds") || intern(&s_indexer, "indexer") ||
+        intern(&s_apply_in_order, "apply_in_order") || intern(&s_apply_raw, "apply_raw") ||
+        intern(&s_sequences, "sequences") || capture_originals() < 0)
         return NULL;
     /* the keyword names of the send's two calls (interned: matched by identity) */
     const char *const kw_texts[5] = {"seq_hashes", "max_tokens", "ignore_eos", "handoff",

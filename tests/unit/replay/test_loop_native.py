@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from dynamo.bench.config import BenchConfig
+from dynamo.engine_core.scheduler import Scheduler
 from dynamo.frontend.disagg import DisaggSettings
 from dynamo.mocker.config import MockerConfig
 from dynamo.mocker.timing import TimingModel
@@ -172,6 +173,11 @@ def test_same_outcome_when_workers_refuse_requests(
         (0, LoadGenerator, "ended"),  # a finished request retired in C: its runner goes on
         (0, RoutingCore, "free"),  # ... and the router frees it
         (2, simulator.Simulation, "_retire"),  # disaggregated: a prefill's end is Python's
+        # the thin methods the loop runs the bodies of: a replaced one is called
+        (0, Scheduler, "mock_pass"),
+        (0, Scheduler, "has_work"),
+        (0, RoutingCore, "apply_events"),
+        (0, RoutingCore, "prefill_completed"),
     ],
 )
 def test_a_callbacks_error_comes_out(
@@ -182,7 +188,7 @@ def test_a_callbacks_error_comes_out(
     def broken(*args: Any) -> None:
         raise RuntimeError(f"{name} failed")
 
-    monkeypatch.setattr(owner, name, broken)
+    monkeypatch.setattr(owner, name, property(broken) if name == "has_work" else broken)
     bench, deployment = _random_case(seed)
     with pytest.raises(RuntimeError, match=f"{name} failed"):
         run_replay(bench, deployment, plots=False)
