@@ -18,7 +18,8 @@ they cannot be built:
   ``bench._draw`` (the workloads' random words: ``random.choices``' draws),
   ``replay._events`` (the replay's event queue; the fallback is heapq), ``replay._deliver``
   (a replay pass's tokens into the requests' records), ``bench._stats`` (the report's order
-  statistics of a series; the fallback sorts the Python list);
+  statistics of a series and its pass over the records; the fallback sorts the Python list),
+  ``replay._report`` (the replay report's pass over its flights);
 * as a fast path beside the Python code that stays the reference (:func:`load_optional`, the
   caller keeps its own path): ``runtime._http`` (plain HTTP/1.1 requests; httptools otherwise),
   ``slot_tracker._loads`` (``/potential_loads``), ``pytorch._paged_attn`` (decode attention) and

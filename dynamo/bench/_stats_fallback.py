@@ -61,12 +61,12 @@ def figures_joined(lists: list[list[float]], scale: float) -> Figures | None:
     return _figures(chain.from_iterable(lists), scale)
 
 
-def record_figures(records: Sequence[Any]) -> RecordFigures | None:
+def record_figures(records: Sequence[Any]) -> RecordFigures:
     """What the summary reads of ``records`` (``RequestRecord`` s), in one pass: see
     ``RecordFigures``. The completed requests' series in record order: ``e2e`` and ``itl`` of
     each, ``ttft`` of those with a first token and ``tpot`` of those with two or more, the
-    prompt and cached tokens of those that report usage (``cached_tokens or 0``). Never None
-    (the native module's "the twin's case")."""
+    prompt and cached tokens of those that report usage (``cached_tokens or 0``). Always an
+    answer (the native module's None: "the twin's case")."""
     failed: list[Any] = []
     ttft: list[float] = []
     tpot: list[float] = []

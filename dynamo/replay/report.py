@@ -7,29 +7,38 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dynamo import native
+from dynamo.bench.request import RequestRecord
+from dynamo.replay import _report_fallback
+from dynamo.replay._report_fallback import WorkerTotals
 from dynamo.replay.flight import Flight
 
 PLOT_BINS = 50
+
+_impl = native.load(
+    "dynamo.replay._report", "dynamo.replay._report_fallback", requires=("flight_figures",)
+)
+REPORT_IMPLEMENTATION: str = _impl.__name__
+"""The module computing :func:`flight_figures` (``dynamo.replay._report`` or its fallback)."""
 
 
 def _worker_key(worker_id: int, dp_rank: int) -> str:
     return f"{worker_id:x}:{dp_rank}"
 
 
-def worker_summary(flights: Sequence[Flight]) -> dict[str, dict[str, Any]]:
-    """Per ``worker:dp_rank`` (hex id): requests served, prompt and cached tokens, hit rate."""
-    totals: dict[tuple[int, int], list[int]] = {}  # keyed by numbers: one key text per worker
-    for f in flights:
-        r, rec = f.routing, f.record
-        if r is None or rec.error is not None:  # routed and ok
-            continue
-        key = (r.worker_id, r.dp_rank)
-        row = totals.get(key)
-        if row is None:
-            row = totals[key] = [0, 0, 0]
-        row[0] += 1
-        row[1] += rec.prompt_tokens or 0
-        row[2] += rec.cached_tokens or 0
+def flight_figures(flights: Sequence[Flight]) -> tuple[list[RequestRecord], float, WorkerTotals]:
+    """What the report reads of the flights, in one pass: their records in order, the last
+    end among them (the measured window) and each worker's totals (:func:`worker_rows`)."""
+    rows = flights if type(flights) is list else list(flights)
+    figures: tuple[list[RequestRecord], float, WorkerTotals] | None = _impl.flight_figures(rows)
+    if figures is None:  # the native module defers (an odd flight or value): the definition
+        figures = _report_fallback.flight_figures(rows)
+    return figures
+
+
+def worker_rows(totals: WorkerTotals) -> dict[str, dict[str, Any]]:
+    """Per ``worker:dp_rank`` (hex id, in that text's order): requests served, prompt and
+    cached tokens, hit rate."""
     out: dict[str, dict[str, Any]] = {}
     for (worker_id, dp_rank), (requests, prompt, cached) in totals.items():
         out[_worker_key(worker_id, dp_rank)] = {
@@ -39,6 +48,12 @@ def worker_summary(flights: Sequence[Flight]) -> dict[str, dict[str, Any]]:
             "hit_rate": cached / prompt if prompt else 0,
         }
     return dict(sorted(out.items()))
+
+
+def worker_summary(flights: Sequence[Flight]) -> dict[str, dict[str, Any]]:
+    """Per ``worker:dp_rank`` (hex id): requests served, prompt and cached tokens, hit rate, of
+    the routed requests that completed."""
+    return worker_rows(flight_figures(flights)[2])
 
 
 def routing_rows(flights: Sequence[Flight]) -> Iterator[dict[str, Any]]:

@@ -28,7 +28,7 @@ from dynamo.preprocess import ModelDir, demo_model_path, load_model_dir
 from dynamo.replay.deployment import Deployment
 from dynamo.replay.flight import Flight, SimulationResult
 from dynamo.replay.load import LoadSpec
-from dynamo.replay.report import routing_rows, worker_summary, write_worker_plots
+from dynamo.replay.report import flight_figures, routing_rows, worker_rows, write_worker_plots
 from dynamo.replay.simulator import Simulation
 
 ROUTING_FILE = "routing.jsonl"
@@ -141,8 +141,7 @@ def run_replay(
         warmup=warmup_phase(bench, builder),
     )
     result = sim.run()
-    records = [f.record for f in result.flights]
-    window = max((r.end for r in records), default=0.0)
+    records, window, workers = flight_figures(result.flights)
     config = bench.to_dict()
     for key in ("url", "model", "api", "prompt_format", "extra_body", "server_pids", "quickack"):
         config.pop(key, None)
@@ -160,7 +159,7 @@ def run_replay(
         "events": result.events,
         "warmup_simulated_s": result.warmup_s,
     }
-    summary["workers"] = worker_summary(result.flights)
+    summary["workers"] = worker_rows(workers)
     if output_dir:
         try:
             write_report(output_dir, summary, records, 0.0, plots=plots)
