@@ -19,7 +19,7 @@
 #include <structmember.h>
 #include <string.h>
 
-#define DYN_SLOTS_MAX 24 /* the most fields one DynSlots reads (the Sequence has 23) */
+#define DYN_SLOTS_MAX 32 /* the most fields one DynSlots reads (the pass: 25 of the Sequence) */
 
 typedef struct {
     const char *const *texts;  /* the field names */

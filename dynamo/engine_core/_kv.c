@@ -21,7 +21,7 @@
  * is in-process) one buffer of words a drain (dynamo/protocol/kv_raw.py), written as the
  * blocks change: no object per event or block.
  *
- * ``_C_API_3`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
+ * ``_C_API_4`` (a capsule, ``_kv_api.h``): the admission's calls (``num_cached_prefix``,
  * ``num_slots_needed``, ``use``) on keys converted once, ``promote_run`` / ``release`` on item
  * arrays, the flags, ``allocate_unique`` and the drains without a method call, for
  * ``_pass.c``.
@@ -829,6 +829,7 @@ use_keys(PyObject *self, PyObject *const *items, PyObject *const *litems, uint64
             s = kv->free_slots[--kv->nfree];
             store_full(kv, s, keys[i], negs[i], lk, lneg, !announce);
         }
+        slots[i] = s;
         if (!announce)
             continue;
         /* a run's parent: the block before its first */
@@ -918,7 +919,7 @@ unique_slot(KV *kv, PyObject *obj)
  * converted once. 0, or -1 with the method's error (nothing changes on a bad id or hash). */
 static int
 promote_items(PyObject *self, PyObject *const *uids, PyObject *const *hs, PyObject *const *ls,
-              Py_ssize_t n, PyObject *parent)
+              Py_ssize_t n, PyObject *parent, int32_t *slots_out)
 {
     KV *kv = (KV *)self;
     enum { ON_STACK = 32 };
@@ -963,12 +964,16 @@ promote_items(PyObject *self, PyObject *const *uids, PyObject *const *hs, PyObje
             }
             e->refcount++;
             kv->free_slots[kv->nfree++] = u;
+            if (slots_out != NULL)
+                slots_out[i] = s;
             if (run_close(kv, &run) < 0)
                 goto done;
             run_parent = hs[i];
             continue;
         }
         store_full(kv, u, hk[i], hn[i], lk[i], ln[i], 0);
+        if (slots_out != NULL)
+            slots_out[i] = u;
         if (run_add(kv, &run, run_parent, hs[i], ls[i], hk[i], hn[i], lk[i], ln[i]) < 0)
             goto done;
     }
@@ -999,7 +1004,7 @@ KV_promote_run(KV *kv, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (promote_items((PyObject *)kv, PySequence_Fast_ITEMS(useq), PySequence_Fast_ITEMS(hseq),
-                      PySequence_Fast_ITEMS(lseq), n, args[3]) == 0)
+                      PySequence_Fast_ITEMS(lseq), n, args[3], NULL) == 0)
         res = Py_NewRef(Py_None);
 done:
     Py_XDECREF(useq);
@@ -1033,11 +1038,29 @@ KV_promote(KV *kv, PyObject *const *args, Py_ssize_t nargs)
     return res;
 }
 
-/* release on item arrays (the method's lists, or a C caller's, _kv_api.h): 0, or -1 with the
- * method's error. */
+/* The slot of the full block ``h`` given its kept slot ``s`` (a hint, _kv_api.h): ``s`` when
+ * it holds a full block of h's key, else h looked up (-1: not cached, or not a 64-bit int). */
+static inline int32_t
+find_at(const KV *kv, PyObject *h, int32_t s)
+{
+    uint64_t key;
+    uint8_t neg;
+    int rc = to_key(h, &key, &neg);
+    if (rc <= 0) {
+        if (rc < 0)
+            PyErr_Clear(); /* as find(): not found */
+        return -1;
+    }
+    if (s >= 0 && s < kv->num_blocks && kv->e[s].kind == FULL && kv->e[s].hash == key)
+        return s; /* the one slot the table maps the key to */
+    return map_get(kv, key);
+}
+
+/* release on item arrays (the method's lists, or a C caller's, _kv_api.h; ``slots``: the
+ * hashes' kept slots, or NULL): 0, or -1 with the method's error. */
 static int
-release_items(PyObject *self, PyObject *const *hs, Py_ssize_t nh, PyObject *const *uids,
-              Py_ssize_t nu)
+release_items(PyObject *self, PyObject *const *hs, const int32_t *slots, Py_ssize_t nh,
+              PyObject *const *uids, Py_ssize_t nu)
 {
     KV *kv = (KV *)self;
     for (Py_ssize_t i = 0; i < nu; i++) {
@@ -1056,7 +1079,7 @@ release_items(PyObject *self, PyObject *const *hs, Py_ssize_t nh, PyObject *cons
     }
     /* tail first: within a chain the leaves become the least recently used */
     for (Py_ssize_t i = nh - 1; i >= 0; i--) {
-        int32_t s = find(kv, hs[i]);
+        int32_t s = slots != NULL ? find_at(kv, hs[i], slots[i]) : find(kv, hs[i]);
         if (s < 0 || kv->e[s].refcount == 0) {
             PyErr_SetObject(PyExc_KeyError, hs[i]);
             return -1;
@@ -1084,7 +1107,7 @@ KV_release(KV *kv, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(useq);
         return NULL;
     }
-    int rc = release_items((PyObject *)kv, PySequence_Fast_ITEMS(hseq),
+    int rc = release_items((PyObject *)kv, PySequence_Fast_ITEMS(hseq), NULL,
                            PySequence_Fast_GET_SIZE(hseq), PySequence_Fast_ITEMS(useq),
                            PySequence_Fast_GET_SIZE(useq));
     Py_DECREF(useq);
@@ -1423,7 +1446,7 @@ PyInit__kv(void)
         return NULL;
     }
     PyObject *api = PyCapsule_New(&kv_api, DYN_KV_API_CAPSULE, NULL);
-    if (api == NULL || PyModule_AddObject(m, "_C_API_3", api) < 0) {
+    if (api == NULL || PyModule_AddObject(m, "_C_API_4", api) < 0) {
         Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;

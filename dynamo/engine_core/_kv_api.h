@@ -1,9 +1,9 @@
 /*
  * dynamo/engine_core/_kv_api.h: the native KV manager's calls for C callers, as a capsule
- * ``dynamo.engine_core._kv._C_API_3`` (a DynKVApi; the number changes with the struct: ``_2``
- * gave the admission's calls a slots array, ``_3`` added the flags, ``allocate_unique``,
- * ``drain`` and the slots of promoted and released blocks, so a stale build of either module
- * finds no capsule and the pass calls the methods), so that ``_pass.c`` converts an admitted
+ * ``dynamo.engine_core._kv._C_API_4`` (a DynKVApi; the number changes with the struct: ``_2``
+ * gave the admission's calls a slots array, ``_3`` added the flags, ``allocate_unique`` and
+ * ``drain``, ``_4`` the slots of promoted and released blocks, so a stale build of either
+ * module finds no capsule and the pass calls the methods), so that ``_pass.c`` converts an admitted
  * prompt's chain of block hashes once
  * instead of once per method call (``num_cached_prefix``, ``num_slots_needed``, ``use``: each
  * converted the same 64-bit ints), and promotes filled
@@ -21,12 +21,19 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API_3"
+#define DYN_KV_API_CAPSULE "dynamo.engine_core._kv._C_API_4"
 
 /* ``slots``: the caller's array of one int32 a chain's key, each DYN_KV_SLOT_UNKNOWN before
  * the admission's first call: the calls below look each key up once and keep its table slot
  * there for the next (an admission's three calls looked each block up four times). Valid while
- * the manager does not change between the calls (the admission makes no other call on it). */
+ * the manager does not change between the calls (the admission makes no other call on it).
+ * After ``use`` each of its n blocks' slot is there (the block it found or stored).
+ *
+ * A block's slot stays its own while the block is held (a referenced full block is never
+ * evicted or moved), so the pass keeps the slots of a sequence's full blocks
+ * (``Sequence.full_slots``: ``use``'s, then ``promote_run``'s ``slots_out``) and its release
+ * hands them back: ``release`` checks each against its hash (the entry is a full block of
+ * that key) and looks up only a hash whose slot does not match. */
 #define DYN_KV_SLOT_UNKNOWN (-2)
 
 typedef struct {
@@ -43,12 +50,15 @@ typedef struct {
     /* use(items[:n], litems[:n], announce=announce): 0, or -1 with its error */
     int (*use)(PyObject *kv, PyObject *const *items, PyObject *const *litems, uint64_t *keys,
                uint8_t *negs, const uint8_t *ok, int32_t *slots, Py_ssize_t n, int announce);
-    /* promote_run(uids[:n], hashes[:n], locals[:n], parent): 0, or -1 with its error */
+    /* promote_run(uids[:n], hashes[:n], locals[:n], parent): 0, or -1 with its error;
+     * ``slots_out`` (NULL: none) gets each promoted block's slot */
     int (*promote_run)(PyObject *kv, PyObject *const *uids, PyObject *const *hashes,
-                       PyObject *const *locals, Py_ssize_t n, PyObject *parent);
-    /* release(hashes[:nh], uids[:nu]): 0, or -1 with its error */
-    int (*release)(PyObject *kv, PyObject *const *hashes, Py_ssize_t nh, PyObject *const *uids,
-                   Py_ssize_t nu);
+                       PyObject *const *locals, Py_ssize_t n, PyObject *parent,
+                       int32_t *slots_out);
+    /* release(hashes[:nh], uids[:nu]): 0, or -1 with its error; ``slots`` (NULL: none) the
+     * hashes' slots as kept (each checked against its hash) */
+    int (*release)(PyObject *kv, PyObject *const *hashes, const int32_t *slots, Py_ssize_t nh,
+                   PyObject *const *uids, Py_ssize_t nu);
     /* enable_prefix_caching, raw_events (0 or 1) and num_available_blocks: never fail */
     int (*caching)(PyObject *kv);
     int (*raw)(PyObject *kv);

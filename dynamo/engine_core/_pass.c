@@ -42,7 +42,7 @@ enum {
     F_BANNED_TOKEN_IDS, F_PENDING_TRANSFER, F_REUSE_PREFIX_CACHE, F_STATUS,
     F_NUM_COMPUTED_TOKENS, F_PREFILL_END, F_NUM_CACHED_TOKENS, F_READY_AT, F_NUM_PREEMPTIONS,
     F_FINISH_REASON, F_LOCAL_HASHES, F_BLOCK_HASHES, F_FULL_BLOCKS, F_UNIQUE_BLOCKS,
-    F_HASH_SEED, F_REQUEST_ID, F_HANDOFF, F_OUTPUT, NFIELDS
+    F_HASH_SEED, F_REQUEST_ID, F_HANDOFF, F_OUTPUT, F_FULL_SLOTS, NFIELDS
 };
 
 static const char *const field_names[NFIELDS] = {
@@ -50,7 +50,7 @@ static const char *const field_names[NFIELDS] = {
     "banned_token_ids", "pending_transfer", "reuse_prefix_cache", "status",
     "num_computed_tokens", "prefill_end", "num_cached_tokens", "ready_at", "num_preemptions",
     "finish_reason", "local_hashes", "block_hashes", "full_blocks", "unique_blocks",
-    "hash_seed", "request_id", "handoff", "output",
+    "hash_seed", "request_id", "handoff", "output", "full_slots",
 };
 
 /* The Sequence class's slot offsets (learned from it at the first call, ``ensure_ready``). */
@@ -538,6 +538,53 @@ kv_native(PyObject *kv)
     return kv_api != NULL && Py_TYPE(kv) == kv_api->type;
 }
 
+/* -- a sequence's kept slots (``full_slots``: the native KV manager's slot of each full block,
+ * native int32s in a bytearray; _kv_api.h) ------------------------------------------------ */
+
+/* The kept slots of a sequence of the learned class whose ``full_slots`` describes ``n`` full
+ * blocks, or NULL (none kept, or not for these blocks: the release looks the hashes up). */
+static inline const int32_t *
+kept_slots(PyObject *seq, Py_ssize_t n)
+{
+    PyObject *v = peek(seq, F_FULL_SLOTS);
+    if (v == NULL || !PyByteArray_CheckExact(v) ||
+        PyByteArray_GET_SIZE(v) != n * (Py_ssize_t)sizeof(int32_t))
+        return NULL;
+    return (const int32_t *)PyByteArray_AS_STRING(v);
+}
+
+/* ``full_slots`` becomes slots[:n] (a new bytearray), or None (``slots`` NULL): only on a
+ * sequence of the learned class (any other keeps its own; the release never reads it). */
+static int
+keep_slots(PyObject *seq, const int32_t *slots, Py_ssize_t n)
+{
+    if (peek(seq, F_FULL_SLOTS) == NULL)
+        return 0;
+    if (slots == NULL)
+        return put(seq, F_FULL_SLOTS, Py_None);
+    return put_new(seq, F_FULL_SLOTS,
+                   PyByteArray_FromStringAndSize((const char *)slots,
+                                                 n * (Py_ssize_t)sizeof(int32_t)));
+}
+
+/* ``full_slots`` gets slots[:n] after its ``k`` (the full blocks before a promotion): appended
+ * when it holds exactly k, made when k is 0, else None (unknown: the release looks up). */
+static int
+extend_slots(PyObject *seq, Py_ssize_t k, const int32_t *slots, Py_ssize_t n)
+{
+    PyObject *v = peek(seq, F_FULL_SLOTS);
+    if (v == NULL)
+        return 0;
+    Py_ssize_t size = (Py_ssize_t)sizeof(int32_t);
+    if (kept_slots(seq, k) != NULL && k > 0) {
+        if (PyByteArray_Resize(v, (k + n) * size) < 0)
+            return -1;
+        memcpy(PyByteArray_AS_STRING(v) + k * size, slots, (size_t)(n * size));
+        return 0;
+    }
+    return keep_slots(seq, k == 0 ? slots : NULL, n);
+}
+
 /* kv.release(full_blocks, unique_blocks); both fields become new empty lists. */
 static int
 release(PyObject *kv, PyObject *seq)
@@ -547,8 +594,10 @@ release(PyObject *kv, PyObject *seq)
     int rc = -1;
     if (unique == NULL) {
     } else if (kv_native(kv) && PyList_CheckExact(full) && PyList_CheckExact(unique)) {
-        /* the lists' items as they are: the method's work without its call */
-        rc = kv_api->release(kv, PySequence_Fast_ITEMS(full), PyList_GET_SIZE(full),
+        /* the lists' items as they are, with the kept slots: the method's work without its
+         * call, and without looking the hashes up */
+        Py_ssize_t nfull = PyList_GET_SIZE(full);
+        rc = kv_api->release(kv, PySequence_Fast_ITEMS(full), kept_slots(seq, nfull), nfull,
                              PySequence_Fast_ITEMS(unique), PyList_GET_SIZE(unique));
     } else {
         PyObject *argv[3] = {kv, full, unique};
@@ -562,7 +611,7 @@ release(PyObject *kv, PyObject *seq)
     if (rc < 0)
         return -1;
     if (put_new(seq, F_FULL_BLOCKS, PyList_New(0)) < 0 ||
-        put_new(seq, F_UNIQUE_BLOCKS, PyList_New(0)) < 0)
+        put_new(seq, F_UNIQUE_BLOCKS, PyList_New(0)) < 0 || keep_slots(seq, NULL, 0) < 0)
         return -1;
     return 0;
 }
@@ -674,7 +723,7 @@ promote_filled(PyObject *kv, PyObject *seq, Py_ssize_t bs, Py_ssize_t computed, 
     PyObject *argv[5] = {kv, ids, hashes, local, parent};
     r = PyObject_VectorcallMethod(s_promote_run, argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL || PySequence_DelSlice(unique, 0, n) < 0 ||
-        extend_field(seq, F_FULL_BLOCKS, hashes) < 0)
+        extend_field(seq, F_FULL_BLOCKS, hashes) < 0 || keep_slots(seq, NULL, 0) < 0)
         goto done;
     rc = 0;
 done:
@@ -696,14 +745,26 @@ promote_direct(PyObject *kv, PyObject *seq, PyObject *chain, PyObject *locals, P
                Py_ssize_t k, Py_ssize_t n)
 {
     PyObject *parent = k ? PyList_GET_ITEM(chain, k - 1) : Py_None;
+    enum { ON_STACK = 32 };
+    int32_t stack[ON_STACK], *slots = stack; /* the promoted blocks' slots */
+    if (n > ON_STACK && (slots = PyMem_Malloc((size_t)n * sizeof(int32_t))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
     if (kv_api->promote_run(kv, PySequence_Fast_ITEMS(unique), PySequence_Fast_ITEMS(chain) + k,
-                            PySequence_Fast_ITEMS(locals) + k, n, parent) < 0 ||
+                            PySequence_Fast_ITEMS(locals) + k, n, parent, slots) < 0 ||
         PyList_SetSlice(unique, 0, n, NULL) < 0)
+        rc = -1;
+    else
+        rc = extend_slots(seq, k, slots, n); /* before ``full`` grows: it checks k */
+    if (slots != stack)
+        PyMem_Free(slots);
+    if (rc < 0)
         return -1;
     PyObject *full = get(seq, F_FULL_BLOCKS);
     if (full == NULL)
         return -1;
-    int rc = 0;
     if (PyList_CheckExact(full)) {
         /* by index: ``full`` may be the chain itself, which the appends grow */
         for (Py_ssize_t i = 0; i < n && rc == 0; i++)
@@ -941,6 +1002,7 @@ allocate(Pass *ps, PyObject *seq)
     Py_ssize_t nchain = direct ? PyList_GET_SIZE(chain) : 0;
     uint64_t *keys = NULL;
     int32_t *slots = NULL; /* each key's table slot, looked up once for the three calls */
+    int kept = 0;          /* slots[:len(full)] are the full blocks' after use() */
     uint8_t *negs = NULL, *ok = NULL;
     if (direct) {
         Py_ssize_t cap = nchain ? nchain : 1;
@@ -1027,6 +1089,7 @@ allocate(Pass *ps, PyObject *seq)
             if (kv_api->use(ps->kv, PySequence_Fast_ITEMS(chain), PySequence_Fast_ITEMS(locals),
                             keys, negs, ok, slots, nf, !pending) < 0)
                 goto done;
+            kept = 1;
         } else {
             PyObject *uargv[4] = {ps->kv, full, local, pending ? Py_False : Py_True};
             r = PyObject_VectorcallMethod(s_use, uargv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
@@ -1041,7 +1104,9 @@ allocate(Pass *ps, PyObject *seq)
         PyErr_SetString(PyExc_AssertionError, "no room for the private blocks checked for");
         goto done;
     }
+    /* the full blocks' slots, as use() found or stored them, kept for the release */
     if (put(seq, F_FULL_BLOCKS, full) < 0 || put(seq, F_UNIQUE_BLOCKS, unique) < 0 ||
+        keep_slots(seq, kept ? slots : NULL, kept ? PyList_GET_SIZE(full) : 0) < 0 ||
         put_ssize(seq, F_NUM_COMPUTED_TOKENS, computed) < 0 ||
         put_ssize(seq, F_PREFILL_END, pending ? computed : ntok) < 0)
         goto done;

@@ -159,6 +159,7 @@ def _allocate(kv: KVManager, config: SchedulerLimits, seq: Sequence, budget: int
     unique = kv.allocate_unique(n_unique)
     assert unique is not None  # room was checked above
     seq.full_blocks, seq.unique_blocks = full, unique
+    seq.full_slots = None  # no slots kept: the Python manager's release looks the hashes up
     seq.num_computed_tokens = computed
     seq.prefill_end = computed if seq.pending_transfer else n_tokens
     if seq.num_cached_tokens is None:
@@ -226,7 +227,7 @@ def mock_pass(
 def release_blocks(kv: KVManager, seq: Sequence) -> None:
     """Release the blocks of ``seq`` and empty its block lists."""
     kv.release(seq.full_blocks, seq.unique_blocks)
-    seq.full_blocks, seq.unique_blocks = [], []
+    seq.full_blocks, seq.unique_blocks, seq.full_slots = [], [], None
 
 
 def update_pass(
@@ -292,3 +293,4 @@ def _promote_filled(kv: KVManager, seq: Sequence, bs: int) -> None:
     kv.promote_run(seq.unique_blocks[:n], hashes, seq.local_hashes[k : k + n], parent)
     del seq.unique_blocks[:n]
     seq.full_blocks.extend(hashes)
+    seq.full_slots = None

@@ -3,7 +3,7 @@
  * their offsets, without its ``__init__`` (``engine_core.sequence.new_sequence``: one
  * ``Sequence`` per request, live in the mocker and in the offline replay).
  *
- * Why native: the ``Sequence`` dataclass's generated ``__init__`` takes 26 fields by keyword
+ * Why native: the ``Sequence`` dataclass's generated ``__init__`` takes 27 fields by keyword
  * and its ``__post_init__`` runs on every request (~1.6 µs a sequence, about 1 % of the
  * offline replay's CPU); storing 26 pointers costs a fraction of that. The caller computes
  * every value as ``__init__`` and ``__post_init__`` would (tests/unit/engine_core/
@@ -27,7 +27,7 @@
 #include <structmember.h>
 
 #define MAX_SLOTS 64
-#define SEQUENCE_FIELDS 27 /* the Sequence's, in order (sequence.py) */
+#define SEQUENCE_FIELDS 28 /* the Sequence's, in order (sequence.py) */
 
 static PyTypeObject *learned;          /* the class whose offsets are known (strong) */
 static Py_ssize_t offsets[MAX_SLOTS]; /* its slots' offsets, in __slots__ order */
@@ -343,6 +343,7 @@ compute(PyObject *const *args, PyObject *const *kw, PyObject **v)
     v[18] = Py_NewRef(float_zero); /* ready_at */
     v[19] = PyLong_FromLong(0); /* num_preemptions */
     v[20] = Py_NewRef(Py_None); /* finish_reason */
+    v[27] = Py_NewRef(Py_None); /* full_slots */
     v[22] = local, v[23] = chained;
     local = chained = NULL;
     rc = 1;
@@ -399,7 +400,7 @@ new_sequence(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject
     if (learned != (PyTypeObject *)sequence_cls && learn((PyTypeObject *)sequence_cls) < 0)
         return NULL;
     if (n_slots != SEQUENCE_FIELDS) {
-        PyErr_SetString(PyExc_TypeError, "new_sequence() needs the Sequence's 27 fields");
+        PyErr_SetString(PyExc_TypeError, "new_sequence() needs the Sequence's 28 fields");
         return NULL;
     }
     PyObject *v[SEQUENCE_FIELDS] = {NULL};

@@ -136,5 +136,6 @@ def new_sequence(
             [],  # full_blocks
             [],  # unique_blocks
             block_seed(lora_name),  # hash_seed
+            None,  # full_slots
         ),
     )

@@ -223,6 +223,9 @@ class Scheduler:
             assert seq.full_blocks == seq.block_hashes[: len(seq.full_blocks)], "broken chain"
             assert -(-seq.num_computed_tokens // bs) <= seq.num_held_blocks
             assert seq.num_held_blocks <= -(-seq.num_tokens // bs)
+            if seq.full_slots is not None:  # the native pass's kept slots: each block's own
+                kept = memoryview(seq.full_slots).cast("i").tolist()
+                assert kept == [kv.slot_of(h) for h in seq.full_blocks], "stale kept slots"
             for h in seq.full_blocks:
                 refs[h] = refs.get(h, 0) + 1
             n_unique += len(seq.unique_blocks)

@@ -101,6 +101,11 @@ class Sequence:
     unique_blocks: list[int] = field(default_factory=list)
     hash_seed: int = 0
     """The block hash seed of this request (its LoRA's), computed once."""
+    full_slots: bytearray | None = field(default=None, compare=False, repr=False)
+    """The native KV manager's table slot of each of ``full_blocks`` (native int32s), kept by
+    the native pass so that a release finds each block without converting and looking up its
+    hash again; None when not kept (the Python pass and KV manager keep none). A hint: the
+    release checks each slot against its hash and looks up any that does not match."""
 
     def __post_init__(self) -> None:
         self.hash_seed = block_seed(self.lora_name)
