@@ -1043,6 +1043,18 @@ KV_promote(KV *kv, PyObject *const *args, Py_ssize_t nargs)
 static inline int32_t
 find_at(const KV *kv, PyObject *h, int32_t s)
 {
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    /* the common hash, an exact int of three digits (>= 2**60), compared digit by digit with
+     * the entry's key (the same test as its conversion's, without assembling it) */
+    if ((size_t)s < (size_t)kv->num_blocks && Py_IS_TYPE(h, &PyLong_Type) && Py_SIZE(h) == 3) {
+        const digit *d = ((PyLongObject *)h)->ob_digit;
+        const Entry *e = &kv->e[s];
+        uint64_t x =
+            ((uint64_t)d[2] << (2 * PyLong_SHIFT)) | ((uint64_t)d[1] << PyLong_SHIFT) | d[0];
+        if (x == e->hash && d[2] < (1U << (64 - 2 * PyLong_SHIFT)) && e->kind == FULL)
+            return s;
+    }
+#endif
     uint64_t key;
     uint8_t neg;
     int rc = to_key(h, &key, &neg);
@@ -1054,6 +1066,22 @@ find_at(const KV *kv, PyObject *h, int32_t s)
     if (s >= 0 && s < kv->num_blocks && kv->e[s].kind == FULL && kv->e[s].hash == key)
         return s; /* the one slot the table maps the key to */
     return map_get(kv, key);
+}
+
+/* Drop a reference to the full block at slot ``s`` (-1: ``h`` is not cached): 0, or -1 with
+ * KeyError(h) when it is not held. */
+static inline int
+unref(KV *kv, int32_t s, PyObject *h)
+{
+    if (s < 0 || kv->e[s].refcount == 0) {
+        PyErr_SetObject(PyExc_KeyError, h);
+        return -1;
+    }
+    if (--kv->e[s].refcount == 0) {
+        kv->n_full_active--;
+        lru_append(kv, s);
+    }
+    return 0;
 }
 
 /* release on item arrays (the method's lists, or a C caller's, _kv_api.h; ``slots``: the
@@ -1078,16 +1106,14 @@ release_items(PyObject *self, PyObject *const *hs, const int32_t *slots, Py_ssiz
         }
     }
     /* tail first: within a chain the leaves become the least recently used */
-    for (Py_ssize_t i = nh - 1; i >= 0; i--) {
-        int32_t s = slots != NULL ? find_at(kv, hs[i], slots[i]) : find(kv, hs[i]);
-        if (s < 0 || kv->e[s].refcount == 0) {
-            PyErr_SetObject(PyExc_KeyError, hs[i]);
-            return -1;
-        }
-        if (--kv->e[s].refcount == 0) {
-            kv->n_full_active--;
-            lru_append(kv, s);
-        }
+    if (slots != NULL) {
+        for (Py_ssize_t i = nh - 1; i >= 0; i--)
+            if (unref(kv, find_at(kv, hs[i], slots[i]), hs[i]) < 0)
+                return -1;
+    } else {
+        for (Py_ssize_t i = nh - 1; i >= 0; i--)
+            if (unref(kv, find(kv, hs[i]), hs[i]) < 0)
+                return -1;
     }
     return 0;
 }
