@@ -90,13 +90,22 @@ find(const BlockCounts *t, uint64_t key)
     }
 }
 
-static int
+static int as_key_slow(PyObject *obj, uint64_t *out);
+
+/* inline at its callers (a request's prefix keys convert its ~70 hashes) */
+static inline int
 as_key(PyObject *obj, uint64_t *out)
+{
+    if (dyn_u64_digits(obj, out)) /* the common case: a non-negative 64-bit int */
+        return 0;
+    return as_key_slow(obj, out);
+}
+
+static Py_NO_INLINE int
+as_key_slow(PyObject *obj, uint64_t *out)
 {
     int overflow;
     long long value;
-    if (dyn_u64_digits(obj, out)) /* the common case: a non-negative 64-bit int */
-        return 0;
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "block hashes must be int, not %.100s",
                      Py_TYPE(obj)->tp_name);
@@ -278,13 +287,13 @@ for_each_prefix(BlockCounts *t, PyObject *iterable, KeyFn fn)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-static int
+static inline int
 add_one(BlockCounts *t, uint64_t key)
 {
     return increment(t, key, 1);
 }
 
-static int
+static inline int
 remove_one(BlockCounts *t, uint64_t key)
 {
     size_t i = find(t, key);
@@ -496,8 +505,9 @@ key_at(const char *data, Py_ssize_t k)
     return key;
 }
 
-/* Apply fn to each key of a prefix_key_bytes buffer. */
-static int
+/* Apply fn to each key of a prefix_key_bytes buffer (inlined with its fn: a request's keys are
+ * added and removed a key at a time, ~70 each). */
+static inline Py_ALWAYS_INLINE int
 for_each_buffered(BlockCounts *t, PyObject *keys, const char *what, KeyFn fn)
 {
     const char *data;
@@ -546,6 +556,43 @@ BlockCounts_remove_prefix_keys(BlockCounts *self, PyObject *keys)
     Py_RETURN_NONE;
 }
 
+/* The last prefix_key_bytes calls, by their first hash object: its hash objects (strong
+ * references, so that no other object can take an address while it is here) and the keys
+ * computed from them. A call whose leading hashes are the same objects as a memo's reads their
+ * keys instead of converting and chaining each again: the offline replay's prompts of a prefix
+ * group share their leading hash objects (``hashing.SharedPrefixHasher``), ~64 of a request's
+ * ~72. Objects are compared by identity only: an int never changes, so the same object has the
+ * same key; anything else is computed, as before. */
+#define MEMO_WAYS 32
+
+typedef struct {
+    Py_ssize_t n, cap;
+    PyObject **items; /* strong */
+    uint64_t *keys;
+} KeyMemo;
+
+static KeyMemo key_memo[MEMO_WAYS];
+
+static void
+memo_drop(KeyMemo *m, Py_ssize_t from)
+{
+    for (Py_ssize_t k = from; k < m->n; k++) {
+        Py_DECREF(m->items[k]);
+    }
+    m->n = from < m->n ? from : m->n;
+}
+
+static void
+memo_clear(void *Py_UNUSED(module))
+{
+    for (int w = 0; w < MEMO_WAYS; w++) {
+        memo_drop(&key_memo[w], 0);
+        PyMem_Free(key_memo[w].items);
+        PyMem_Free(key_memo[w].keys);
+        key_memo[w] = (KeyMemo){0, 0, NULL, NULL};
+    }
+}
+
 /* prefix_key_bytes(hashes): the prefix key of each position, packed (native-endian uint64):
  * what a request's load accounting keeps, computed once (the route's walk, the record, the
  * free read it instead of chaining the hashes again). */
@@ -563,15 +610,50 @@ prefix_key_bytes(PyObject *module, PyObject *hashes)
         return NULL;
     }
     char *data = PyBytes_AS_STRING(out);
-    uint64_t key, parent = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (as_key(PySequence_Fast_GET_ITEM(seq, k), &key) < 0) {
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    KeyMemo *m = NULL;
+    Py_ssize_t same = 0; /* leading hashes that are the memo's objects */
+    if (n > 0) {
+        m = &key_memo[((uintptr_t)items[0] >> 4) * 0x9E3779B97F4A7C15ULL >> 59];
+        if (m->n > 0 && m->items[0] == items[0]) {
+            Py_ssize_t most = n < m->n ? n : m->n;
+            while (same < most && m->items[same] == items[same]) {
+                same++;
+            }
+            memcpy(data, m->keys, (size_t)same * sizeof(uint64_t));
+        }
+    }
+    uint64_t key, parent = same ? m->keys[same - 1] : 0;
+    for (Py_ssize_t k = same; k < n; k++) {
+        if (as_key(items[k], &key) < 0) {
             Py_DECREF(out);
             Py_DECREF(seq);
             return NULL;
         }
         parent = chain(parent, key);
         memcpy(data + (size_t)k * sizeof(uint64_t), &parent, sizeof parent);
+    }
+    if (m != NULL) { /* this call becomes the memo (a prefix group's next prompt shares it) */
+        if (n > m->cap) {
+            PyObject **a = PyMem_Realloc(m->items, (size_t)n * sizeof(PyObject *));
+            if (a != NULL) {
+                m->items = a;
+            }
+            uint64_t *b = a == NULL ? NULL : PyMem_Realloc(m->keys, (size_t)n * sizeof(uint64_t));
+            if (b != NULL) {
+                m->keys = b;
+                m->cap = n;
+            }
+        }
+        memo_drop(m, same);
+        if (n <= m->cap) { /* else out of memory: the memo stays its leading `same` */
+            for (Py_ssize_t k = same; k < n; k++) {
+                m->items[k] = Py_NewRef(items[k]);
+            }
+            memcpy(m->keys + same, data + (size_t)same * sizeof(uint64_t),
+                   (size_t)(n - same) * sizeof(uint64_t));
+            m->n = n;
+        }
     }
     Py_DECREF(seq);
     return out;
@@ -1049,6 +1131,7 @@ static struct PyModuleDef blocks_module = {
     .m_doc = "Native block-hash multiset for the router's load accounting.",
     .m_size = -1,
     .m_methods = module_methods,
+    .m_free = memo_clear,
 };
 
 static int

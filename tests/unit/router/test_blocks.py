@@ -853,6 +853,29 @@ def test_prefix_key_bytes_pack_the_prefix_keys() -> None:
     assert len(table) == 197
 
 
+def test_prefix_key_bytes_of_shared_and_changed_hash_objects() -> None:
+    """Prompts that share their leading hash objects (a prefix group's: the native side reads
+    their keys from its last call), lists changed in place after a call, objects freed and new
+    ones made in their place: always the prefix keys of the values."""
+    rng = random.Random(3)
+    groups = [[rng.getrandbits(64) for _ in range(90)] for _ in range(3)]
+    for step in range(600):
+        base = rng.choice(groups)
+        hashes = base[: rng.randrange(90)]
+        if hashes and rng.random() < 0.4:  # a tail of new objects, equal values or not
+            k = rng.randrange(len(hashes))
+            hashes[k:] = [int(str(x)) if rng.random() < 0.5 else x ^ 1 for x in hashes[k:]]
+        assert list(array("Q", prefix_key_bytes(hashes))) == prefix_keys(hashes), step
+        if hashes and rng.random() < 0.3:  # changed after the call, then asked again
+            hashes[rng.randrange(len(hashes))] = rng.getrandbits(64)
+            assert list(array("Q", prefix_key_bytes(hashes))) == prefix_keys(hashes), step
+        if rng.random() < 0.2:  # a group's object freed, another made (it may take its place)
+            base[rng.randrange(90)] = rng.getrandbits(64)
+    with pytest.raises(TypeError):  # a bad item after a shared run: nothing kept of it
+        prefix_key_bytes([*groups[0][:10], "x"])
+    assert prefix_key_bytes(groups[0][:12]) == prefix_key_bytes(list(groups[0][:12]))
+
+
 def test_prefix_methods_reject_what_the_plain_ones_reject() -> None:
     table = BlockCounts.of_prefixes([1, 2])
     with pytest.raises(KeyError):
