@@ -98,6 +98,38 @@ def test_random_operations_match_the_fallback(native: ModuleType, seed: int) -> 
         same_state(a, b, rng, queries)
 
 
+def test_queries_sharing_hash_objects_match_the_fallback(native: ModuleType) -> None:
+    """Queries that share their leading hash objects (a prefix group's: the native tree reads
+    their keys from its last query that began with the same object), lists changed in place
+    after a query, new objects of equal or other values, the tree changing between queries."""
+    rng = random.Random(11)
+    a, b = native.RadixTree(), py.RadixTree()
+    groups = [[rng.getrandbits(64) for _ in range(12)] for _ in range(3)]
+    for step in range(400):
+        base = rng.choice(groups)
+        s = rng.randrange(SLOTS)
+        if rng.random() < 0.3:  # store a prefix of a group (with a tail of its own)
+            n = rng.randrange(1, 12)
+            hashes = base[:n] + [rng.getrandbits(64) for _ in range(rng.randrange(3))]
+            ids = [rng.getrandbits(64) for _ in hashes]
+            assert a.store_hashes(s, None, ids, hashes) == b.store_hashes(s, None, ids, hashes)
+        elif rng.random() < 0.2:
+            a.clear(s)
+            b.clear(s)
+        query = base[: rng.randrange(13)]
+        if query and rng.random() < 0.4:  # a tail of new objects, equal values or not
+            k = rng.randrange(len(query))
+            query[k:] = [int(str(x)) if rng.random() < 0.5 else x ^ 1 for x in query[k:]]
+        assert a.find_matches(query) == b.find_matches(query), step
+        if query and rng.random() < 0.3:  # changed after the query, then asked again
+            query[rng.randrange(len(query))] = rng.choice(base)
+            assert a.find_matches(query) == b.find_matches(query), step
+        if rng.random() < 0.1:  # a group's object replaced by another of the same value
+            k = rng.randrange(12)
+            base[k] = int(str(base[k]))
+    a.check_invariants()
+
+
 def test_a_shared_prefix_scores_each_slot_where_it_drops_out(native: ModuleType) -> None:
     t = native.RadixTree()
     assert t.store_hashes(0, None, [1, 2, 3, 4], [11, 12, 13, 14])
