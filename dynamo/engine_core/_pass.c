@@ -30,6 +30,12 @@
 #include "../_u64.h"
 #include "_kv_api.h"
 
+/* XXH3-64, the block hash (router/_hash.c's vendored reference implementation, the algorithm
+ * the Python ``xxhash`` package wraps) */
+#define XXH_INLINE_ALL
+#define XXH_NO_STREAM
+#include "../router/vendor/xxhash.h"
+
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define LCG_MUL 6364136223846793005ULL
 #define LCG_INC 1442695040888963407ULL
@@ -67,8 +73,7 @@ static PyObject *s_num_cached_prefix, *s_num_slots_needed, *s_num_available_bloc
 static const DynKVApi *kv_api;
 
 /* Learned once from dynamo.engine_core.sequence / dynamo.protocol.output (strong refs). */
-static PyObject *st_waiting, *st_running, *st_finished, *fr_length, *fr_stop, *hash_fn,
-    *chain_seed;
+static PyObject *st_waiting, *st_running, *st_finished, *fr_length, *fr_stop, *hash_fn;
 
 static PyObject *
 attr_of(const char *module, const char *dotted_a, const char *b)
@@ -104,8 +109,7 @@ ensure_ready(void)
             NULL ||
         (fr_length = attr_of("dynamo.protocol.output", "FinishReason", "LENGTH")) == NULL ||
         (fr_stop = attr_of("dynamo.protocol.output", "FinishReason", "STOP")) == NULL ||
-        (hash_fn = attr_of("xxhash", "xxh3_64_intdigest", NULL)) == NULL ||
-        (chain_seed = PyLong_FromUnsignedLongLong(SEQUENCE_SEED)) == NULL)
+        (hash_fn = attr_of("xxhash", "xxh3_64_intdigest", NULL)) == NULL)
         return -1;
     if ((kv_api = PyCapsule_Import(DYN_KV_API_CAPSULE, 0)) == NULL)
         PyErr_Clear(); /* the native KV manager is not built: its methods are called */
@@ -1407,7 +1411,9 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
             goto done;
         }
     }
-    if ((buf = PyMem_Malloc((size_t)block_size * 4)) == NULL) {
+    unsigned char stack[256]; /* a block of up to 64 ids: no allocation */
+    buf = (size_t)block_size * 4 <= sizeof stack ? stack : PyMem_Malloc((size_t)block_size * 4);
+    if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1415,9 +1421,15 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
         Py_ssize_t at = start + k;
         PyObject *id = at < nprompt ? PyList_GET_ITEM(prompt, at)
                                     : PyList_GET_ITEM(output, at - nprompt);
-        /* array('I', ...) semantics: an id outside [0, 2**32) is an OverflowError */
-        unsigned long t = PyLong_AsUnsignedLong(id);
-        if (t == (unsigned long)-1 && PyErr_Occurred())
+        /* array('I', ...) semantics: an id outside [0, 2**32) is an OverflowError (an exact
+         * int of at most one digit, every vocabulary's id, is read from it) */
+        unsigned long t;
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+        if (PyLong_CheckExact(id) && (Py_SIZE(id) == 0 || Py_SIZE(id) == 1))
+            t = Py_SIZE(id) == 0 ? 0 : ((PyLongObject *)id)->ob_digit[0];
+        else
+#endif
+            if ((t = PyLong_AsUnsignedLong(id)) == (unsigned long)-1 && PyErr_Occurred())
             goto done;
         if (t > 0xFFFFFFFFUL) {
             PyErr_SetString(PyExc_OverflowError, "token id does not fit in 32 bits");
@@ -1426,10 +1438,19 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
         for (int b = 0; b < 4; b++)
             buf[4 * k + b] = (unsigned char)(t >> (8 * b));
     }
-    if ((seed = get(seq, F_HASH_SEED)) == NULL)
+    /* the block's hash in C when its seed is an exact int in [0, 2**64) (block_seed's are);
+     * any other seed goes to xxhash's function, which decides what it accepts */
+    uint64_t seed_u, local_u = 0;
+    PyObject *seed_v = peek(seq, F_HASH_SEED);
+    int direct = seed_v != NULL && dyn_u64_digits(seed_v, &seed_u);
+    if (direct) {
+        local_u = XXH3_64bits_withSeed(buf, (size_t)block_size * 4, seed_u);
+        if ((local = PyLong_FromUnsignedLongLong(local_u)) == NULL)
+            goto done;
+    } else if ((seed = get(seq, F_HASH_SEED)) == NULL ||
+               (local = call_hash((const char *)buf, block_size * 4, seed)) == NULL) {
         goto done;
-    if ((local = call_hash((const char *)buf, block_size * 4, seed)) == NULL)
-        goto done;
+    }
     if ((locals = get(seq, F_LOCAL_HASHES)) == NULL)
         goto done;
     if ((chain = get(seq, F_BLOCK_HASHES)) == NULL)
@@ -1445,20 +1466,24 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
         next = Py_NewRef(local);
     } else {
         unsigned char pair[16];
-        uint64_t parent = DYN_AS_U64(PyList_GET_ITEM(chain, depth - 1));
-        if (parent == (uint64_t)-1 && PyErr_Occurred())
+        PyObject *last = PyList_GET_ITEM(chain, depth - 1);
+        uint64_t parent, lo = local_u;
+        if (!dyn_u64_digits(last, &parent) &&
+            (parent = DYN_AS_U64(last)) == (uint64_t)-1 && PyErr_Occurred())
             goto done;
-        uint64_t lo = DYN_AS_U64(local);
-        if (lo == (uint64_t)-1 && PyErr_Occurred())
+        if (!direct && (lo = DYN_AS_U64(local)) == (uint64_t)-1 && PyErr_Occurred())
             goto done;
         put_u64_le(pair, parent);
         put_u64_le(pair + 8, lo);
-        if ((next = call_hash((const char *)pair, 16, chain_seed)) == NULL)
+        /* next_sequence_hash: XXH3 of the pair with the chain's seed, in C */
+        if ((next = PyLong_FromUnsignedLongLong(
+                 XXH3_64bits_withSeed(pair, sizeof pair, SEQUENCE_SEED))) == NULL)
             goto done;
     }
     rc = PyList_Append(chain, next);
 done:
-    PyMem_Free(buf);
+    if (buf != stack)
+        PyMem_Free(buf);
     Py_XDECREF(prompt);
     Py_XDECREF(seed);
     Py_XDECREF(local);
