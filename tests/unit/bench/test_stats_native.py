@@ -246,3 +246,14 @@ def test_record_figures_totals_past_64_bits_defer(native: ModuleType) -> None:
     assert py.record_figures(records)[8] == 3 * 2**62
     with pytest.raises(TypeError):
         native.record_figures(tuple(records))
+
+
+def test_constant_series_need_no_sort(native: ModuleType) -> None:
+    """A series of one value (a synthetic workload's token counts) is already sorted: the same
+    figures, infinities and signed zeros included."""
+    for value in (1152, 32.0, -0.0, 0.0, math.inf, -math.inf, 5e-324):
+        for n in (1, 300, 20_000):
+            series_ = [value] * n
+            assert bits(native.figures(series_, 1.0)) == bits(py.figures(series_, 1.0))
+    almost = [7.0] * 5_000 + [-0.0]
+    assert bits(native.figures(almost, 1.0)) == bits(py.figures(almost, 1.0))
