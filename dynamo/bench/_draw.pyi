@@ -2,6 +2,7 @@
 in Python: ``_draw_fallback.py``). Import through ``dynamo.bench.draw``."""
 
 import random
+from array import array
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -17,3 +18,10 @@ def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], tot
     uniform draws from ``population`` exactly as ``choices`` draws them (a token-id prompt: its
     shared words, then its own). ValueError for a negative ``total``; IndexError for an empty
     population when draws are needed."""
+
+def packed(
+    rng: random.Random, population: Sequence[int], head: array[int], total: int
+) -> array[int]:
+    """``extended``'s prompt as an ``array('I')`` (the same draws and ids; ``head`` an
+    ``array('I')``): a token-id prompt with no int object per id to copy, hash or free (the
+    offline replay's). OverflowError for a drawn id outside [0, 2**32)."""

@@ -4,6 +4,7 @@ is not built or ``DYN_NATIVE=0``. Import through ``dynamo.bench.draw``."""
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -19,4 +20,16 @@ def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], tot
         raise ValueError("a prompt's length cannot be negative")
     out = list(head[:total])
     out += rng.choices(population, k=total - len(out))
+    return out
+
+
+def packed(
+    rng: random.Random, population: Sequence[int], head: array[int], total: int
+) -> array[int]:
+    if total < 0:
+        raise ValueError("a prompt's length cannot be negative")
+    if head.typecode != "I":
+        raise TypeError("the head must be an array('I')")
+    out = head[:total]
+    out.extend(rng.choices(population, k=total - len(out)))
     return out

@@ -100,7 +100,11 @@ def load_tokenizer(config: BenchConfig, model: str) -> ModelDir:
         raise BenchError(f"cannot load the tokenizer from {path}: {exc}") from None
 
 
-def build_workload(config: BenchConfig, builder: PromptBuilder) -> Workload:
+def build_workload(
+    config: BenchConfig, builder: PromptBuilder, *, packed: bool = False
+) -> Workload:
+    """``config``'s workload. ``packed``: a prefix workload's token-id prompts as ``array('I')``
+    (the offline replay's, never sent over HTTP)."""
     kind = config.workload
     if kind == "synthetic":
         return SyntheticWorkload(
@@ -119,6 +123,7 @@ def build_workload(config: BenchConfig, builder: PromptBuilder) -> Workload:
             suffix_len=config.suffix_len,
             osl=config.osl,
             seed=config.seed,
+            packed=packed,
         )
     if kind == "multi-turn":
         return MultiTurnWorkload(

@@ -9,6 +9,7 @@ first chunk that carries text; ITL the gaps between consecutive text-bearing chu
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -21,7 +22,8 @@ COMPLETIONS_PATH = "/v1/completions"
 
 class RequestSpec(msgspec.Struct):
     """A request to send. Chat requests have ``messages``; completions have ``prompt``
-    (token ids or text). ``expected_prompt_tokens`` is what the server should count.
+    (token ids or text; the offline replay's token ids may be packed, an ``array('I')``, never
+    sent over HTTP). ``expected_prompt_tokens`` is what the server should count.
 
     This and :class:`RequestRecord` are msgspec Structs (plain mutable slotted objects): one is
     made per request, and a Struct's C ``__init__`` costs a fraction of a dataclass's (a
@@ -30,7 +32,7 @@ class RequestSpec(msgspec.Struct):
     max_tokens: int
     expected_prompt_tokens: int
     messages: list[dict[str, str]] | None = None
-    prompt: list[int] | str | None = None
+    prompt: list[int] | array[int] | str | None = None
     session: int = -1
     turn: int = 0
     group: int = -1

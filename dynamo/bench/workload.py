@@ -11,12 +11,13 @@ message), and ``trace`` (Mooncake JSONL replay, in ``dynamo.bench.trace``).
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Iterator
 from typing import Protocol
 
 import msgspec
 
-from dynamo.bench.draw import choices, extended
+from dynamo.bench.draw import choices, extended, packed
 from dynamo.bench.prompts import PromptBuilder
 from dynamo.bench.request import RequestRecord, RequestSpec
 
@@ -130,7 +131,10 @@ class PrefixWorkload:
     its own, so the server's prompt is exactly ``prefix_len + suffix_len`` tokens.
 
     Each request picks its group at random (seeded): a fixed cycle would line up with a
-    round-robin router's cycle and give it a cache affinity real traffic never has."""
+    round-robin router's cycle and give it a cache affinity real traffic never has.
+
+    ``packed`` (token-id prompts only): each prompt is an ``array('I')`` of the same ids, no
+    int object per id to copy, hash or free (the offline replay's; never sent over HTTP)."""
 
     name = "prefix"
     collect_text = False
@@ -144,6 +148,7 @@ class PrefixWorkload:
         suffix_len: int,
         osl: int,
         seed: int = 0,
+        packed: bool = False,
     ) -> None:
         if groups < 1 or prefix_len < 1 or suffix_len < 1 or osl < 1:
             raise ValueError("prefix groups, prefix, suffix and output lengths must be >= 1")
@@ -159,6 +164,12 @@ class PrefixWorkload:
         self._seed = seed
         rng = random.Random(seed ^ 0x5EED)
         self.prefixes = [choices(rng, builder.words, prefix_len - head) for _ in range(groups)]
+        # a group's words as u32 ids once, the head of each of its packed prompts
+        self._packed = (
+            [array("I", words) for words in self.prefixes]
+            if packed and builder.mode == "ids"
+            else None
+        )
 
     def sessions(self) -> Iterator[Session]:
         rng = random.Random(self._seed)
@@ -171,16 +182,19 @@ class PrefixWorkload:
         # length check passed in ``__init__``): the offline replay draws one a request
         getrandbits, n = pick.getrandbits, len(prefixes)
         bits = n.bit_length()
-        ids = builder.mode == "ids"
+        ids, heads = builder.mode == "ids", self._packed
         words = builder.words
         index = 0
         while True:
             group = getrandbits(bits)
             while group >= n:
                 group = getrandbits(bits)
-            if ids:
-                prompt = extended(rng, words, prefixes[group], total)
-                spec = RequestSpec(osl, total, None, prompt, index, 0, group)
+            if heads is not None:  # extended's ids, packed
+                ids_of: list[int] | array[int] = packed(rng, words, heads[group], total)
+                spec = RequestSpec(osl, total, None, ids_of, index, 0, group)
+            elif ids:
+                ids_of = extended(rng, words, prefixes[group], total)
+                spec = RequestSpec(osl, total, None, ids_of, index, 0, group)
             else:  # fit copies the group's words
                 spec = spec_from_fit(
                     builder, prefixes[group], total, osl, rng, session=index, group=group

@@ -1403,10 +1403,21 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
     PyObject *seed = NULL, *local = NULL, *locals = NULL, *chain = NULL, *next = NULL;
     PyObject *prompt = NULL;
     unsigned char *buf = NULL;
+    Py_buffer packed; /* a packed prompt's ids (an array('I'), the offline replay's) */
+    packed.obj = NULL;
     if (start < nprompt) {
         if ((prompt = get(seq, F_PROMPT)) == NULL)
             return -1;
-        if (!PyList_Check(prompt) || PyList_GET_SIZE(prompt) < nprompt) {
+        if (!PyList_Check(prompt)) {
+            if (!PyObject_CheckBuffer(prompt) ||
+                PyObject_GetBuffer(prompt, &packed, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+                PyErr_Clear();
+            else if (packed.itemsize != 4 || packed.format == NULL ||
+                     strcmp(packed.format, "I") != 0)
+                PyBuffer_Release(&packed);
+        }
+        if (packed.obj != NULL ? packed.len / 4 < nprompt
+                               : !PyList_Check(prompt) || PyList_GET_SIZE(prompt) < nprompt) {
             PyErr_SetString(PyExc_TypeError, "prompt must be a list of num_prompt_tokens ids");
             goto done;
         }
@@ -1419,6 +1430,14 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
     }
     for (Py_ssize_t k = 0; k < block_size; k++) {
         Py_ssize_t at = start + k;
+        if (at < nprompt && packed.obj != NULL) {
+            const unsigned char *p = (const unsigned char *)packed.buf + 4 * at;
+            uint32_t u;
+            memcpy(&u, p, 4);
+            for (int b = 0; b < 4; b++)
+                buf[4 * k + b] = (unsigned char)(u >> (8 * b));
+            continue;
+        }
         PyObject *id = at < nprompt ? PyList_GET_ITEM(prompt, at)
                                     : PyList_GET_ITEM(output, at - nprompt);
         /* array('I', ...) semantics: an id outside [0, 2**32) is an OverflowError (an exact
@@ -1484,6 +1503,8 @@ append_token(PyObject *seq, PyObject *output, Py_ssize_t nprompt, PyObject *toke
 done:
     if (buf != stack)
         PyMem_Free(buf);
+    if (packed.obj != NULL)
+        PyBuffer_Release(&packed);
     Py_XDECREF(prompt);
     Py_XDECREF(seed);
     Py_XDECREF(local);

@@ -206,6 +206,30 @@ id_set(PyObject *ids)
     return t ? PyFrozenSet_New(ids) : Py_NewRef(no_ids);
 }
 
+static PyObject *array_type; /* array.array */
+
+/* A prompt's length: a list's, or a packed prompt's (an exact ``array('I')``: the offline
+ * replay's, kept as it is, as a list is); -1 for anything else (copied by the Python path). */
+static Py_ssize_t
+prompt_len(PyObject *tokens)
+{
+    if (PyList_CheckExact(tokens))
+        return PyList_GET_SIZE(tokens);
+    if (!Py_IS_TYPE(tokens, (PyTypeObject *)array_type))
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t n = view.itemsize == 4 && view.format != NULL && view.format[0] == 'I' &&
+                           view.format[1] == '\0'
+                       ? view.len / 4
+                       : -1;
+    PyBuffer_Release(&view);
+    return n;
+}
+
 /* The request's fields computed in C into v[] (new references): 1; 0 when the call is for
  * the Python path (v[] released, no exception); -1 with an exception. */
 static int
@@ -215,14 +239,14 @@ compute(PyObject *const *args, PyObject *const *kw, PyObject **v)
     PyObject *bs_obj = NULL, *mode = NULL, *hashes = kw[K_HASHES], *local = NULL, *chained = NULL;
     long long max_len, bs, num_blocks, max_tokens, min_tokens, max_batched;
     int rc = 0;
-    Py_ssize_t isl = PyList_CheckExact(tokens) ? PyList_GET_SIZE(tokens) : -1;
+    Py_ssize_t isl = prompt_len(tokens);
     PyObject *seed_id = kw[K_SEED_ID];
     if (isl < 1 || !PyUnicode_CheckExact(rid) ||
         (seed_id != Py_None && !PyUnicode_CheckExact(seed_id)) ||
         !config_int(config, a_max_model_len, &max_len, NULL) ||
         !config_int(config, a_block_size, &bs, &bs_obj) ||
         !config_int(config, a_num_gpu_blocks, &num_blocks, NULL) || bs < 1)
-        goto done; /* a list prompt only: anything else is copied by the Python path */
+        goto done; /* a list or packed prompt only: anything else is copied by the Python path */
     if ((mode = PyObject_GetAttr(config, a_disaggregation_mode)) == NULL) {
         PyErr_Clear();
         goto done;
@@ -456,5 +480,14 @@ PyInit__sequence(void)
     if ((default_min == NULL && (default_min = PyLong_FromLong(0)) == NULL) ||
         (empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL))
         return NULL;
+    if (array_type == NULL) {
+        PyObject *array = PyImport_ImportModule("array");
+        if (array == NULL)
+            return NULL;
+        array_type = PyObject_GetAttrString(array, "array");
+        Py_DECREF(array);
+        if (array_type == NULL)
+            return NULL;
+    }
     return PyModule_Create(&sequence_module);
 }

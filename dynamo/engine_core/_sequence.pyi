@@ -2,6 +2,7 @@
 the same contract in Python: ``_sequence_fallback.py``). Import through
 ``dynamo.engine_core.sequence``."""
 
+from array import array
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ def build(cls: type[T], values: tuple[Any, ...]) -> T:
 
 def new_sequence(
     config: SchedulerLimits,
-    token_ids: list[int],
+    token_ids: list[int] | array[int],
     request_id: str,
     now: float,
     *,

@@ -5,6 +5,7 @@ raised here). Import through ``dynamo.engine_core.sequence``."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from types import MemberDescriptorType, ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,7 +43,7 @@ def build(cls: type[T], values: tuple[Any, ...]) -> T:
 
 def new_sequence(
     config: SchedulerLimits,
-    token_ids: list[int],
+    token_ids: list[int] | array[int],
     request_id: str,
     now: float,
     *,
@@ -110,7 +111,7 @@ def new_sequence(
         cls,
         (
             request_id,
-            token_ids if type(token_ids) is list else list(token_ids),  # prompt
+            token_ids if _kept(token_ids) else list(token_ids),  # prompt
             isl,
             max_tokens,
             min_tokens,
@@ -139,3 +140,9 @@ def new_sequence(
             None,  # full_slots
         ),
     )
+
+
+def _kept(token_ids: object) -> bool:
+    """Whether a prompt is kept as handed in: a list, or a packed one (an ``array('I')``, the
+    offline replay's); anything else is copied into a list."""
+    return type(token_ids) is list or (type(token_ids) is array and token_ids.typecode == "I")

@@ -7,6 +7,7 @@ when they meet, the pass samples one new token.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -63,9 +64,10 @@ class Sequence:
     """
 
     request_id: str
-    prompt: list[int]
+    prompt: list[int] | array[int]
     """The prompt's ids: the caller's list, read and never changed (``len`` is
-    ``num_prompt_tokens``)."""
+    ``num_prompt_tokens``), or the caller's packed ids (an ``array('I')``: the offline
+    replay's)."""
     num_prompt_tokens: int
     max_tokens: int
     min_tokens: int
@@ -127,11 +129,11 @@ class Sequence:
         """The ids at positions ``start`` to ``end`` (a new list; ``0 <= start <= end <=
         num_tokens``), across the prompt and the output."""
         p = self.num_prompt_tokens
-        if end <= p:
-            return self.prompt[start:end]
-        if start >= p:
+        if start >= p and end > p:
             return self.output[start - p : end - p]
-        return self.prompt[start:] + self.output[: end - p]
+        head = self.prompt[start : min(end, p)]
+        ids = head if isinstance(head, list) else head.tolist()  # a packed prompt's
+        return ids if end <= p else ids + self.output[: end - p]
 
     @property
     def num_held_blocks(self) -> int:

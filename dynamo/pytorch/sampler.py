@@ -8,6 +8,7 @@ depend on what else is in the batch. Log-probabilities are those of the model's 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -120,7 +121,7 @@ class SampleRow:
     """What the sampler needs to know about one row besides its logits."""
 
     sampler: RequestSampler
-    prompt_tokens: list[int]
+    prompt_tokens: Sequence[int]  # the sequence's prompt (a list: a live request's)
     output_tokens: list[int]
 
 
@@ -170,7 +171,7 @@ def _process_row(logits: torch.Tensor, row: SampleRow) -> None:
 
 
 def _apply_penalties(
-    logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
+    logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: list[int]
 ) -> None:
     """vLLM's rules: repetition over prompt and output tokens (divide positive logits, multiply
     negative ones), presence and frequency over output tokens only (OpenAI)."""

@@ -884,7 +884,7 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * (``Simulation._phase`` gives one to the phase's load generator then). The same calls on the
  * collaborators in the same order, so the same records, routing and events
  * (tests/unit/replay/test_loop_native.py compares whole runs with the Python path); a prompt
- * that is not a list goes to ``sim._send``, which refuses it. Why native: these were six Python
+ * that is neither a list nor an array goes to ``sim._send``, which refuses it. Why native: these were six Python
  * frames a request (docs/performance.md, "Offline replay"). It keeps no flight: ``sim.flights``
  * is read at each send (a run hands that list to its result and the simulation keeps none). */
 typedef struct {
@@ -894,6 +894,7 @@ typedef struct {
     PyObject *record_type, *flight_type, *routing_type, *new_sequence, *dynamo_error;
 } Sender;
 
+static PyObject *array_type; /* array.array: a packed prompt */
 static PyObject *s_flights, *s_send, *s_hashes, *s_route, *s_worker_id, *s_dp_rank,
     *s_overlap_blocks, *s_cost, *s_enqueue, *s_fail, *s_load, *s_timeout_s, *s_append,
     *kw_route, *kw_sequence;
@@ -932,7 +933,8 @@ route_and_enqueue(Sender *S, PyObject *flight, PyObject *rid, PyObject *prompt, 
         PyErr_SetString(PyExc_TypeError, "the prompt's hashes are a (local, sequence) pair");
         return -1;
     }
-    if ((isl = PyLong_FromSsize_t(PyList_GET_SIZE(prompt))) == NULL)
+    Py_ssize_t len = PyObject_Length(prompt);
+    if (len < 0 || (isl = PyLong_FromSsize_t(len)) == NULL)
         return -1;
     /* core.route(request_id, local, len(tokens), seq_hashes=seqs) */
     PyObject *rargs[5] = {S->core, rid, PyTuple_GET_ITEM(hashes, 0), isl,
@@ -1005,7 +1007,8 @@ sender_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwna
     PyObject *prompt = dyn_slots_get(&spec_slots, spec, SP_PROMPT);
     if (prompt == NULL)
         return NULL;
-    if (!PyList_Check(prompt)) { /* refused by the Python path */
+    if (!PyList_Check(prompt) && !PyObject_TypeCheck(prompt, (PyTypeObject *)array_type)) {
+        /* refused by the Python path */
         Py_DECREF(prompt);
         return call_method(S->sim, s_send, args, 3);
     }
@@ -1228,6 +1231,13 @@ PyInit__loop(void)
         intern(&s_transfer_seconds, "transfer_seconds") || intern(&s_indexer, "indexer") ||
         intern(&s_apply_in_order, "apply_in_order") || intern(&s_apply_raw, "apply_raw") ||
         intern(&s_sequences, "sequences") || capture_originals() < 0)
+        return NULL;
+    PyObject *array = PyImport_ImportModule("array");
+    if (array == NULL)
+        return NULL;
+    array_type = PyObject_GetAttrString(array, "array");
+    Py_DECREF(array);
+    if (array_type == NULL || !PyType_Check(array_type))
         return NULL;
     /* the keyword names of the send's two calls (interned: matched by identity) */
     const char *const kw_texts[5] = {"seq_hashes", "max_tokens", "ignore_eos", "handoff",

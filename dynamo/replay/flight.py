@@ -4,6 +4,7 @@ and what the report reads back (its bench record and its routing decision); a ru
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ class Flight(msgspec.Struct):
     spec: RequestSpec
     runner: Runner
     load: LoadGenerator  # the phase that sent it
-    tokens: list[int]  # the prompt, until the request ends (then emptied: memory)
+    tokens: list[int] | array[int]  # the prompt, until the request ends (then emptied)
     routing: RoutingRecord | None = None
     last_token_at: float = 0.0
     rank: Rank | None = None  # where its sequence is queued or runs now

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ class Pool:
         return self.core is not None and self.core.saturated()
 
     def route(
-        self, request_id: str, tokens: list[int], local: list[int], seqs: list[int]
+        self, request_id: str, tokens: Sequence[int], local: list[int], seqs: list[int]
     ) -> tuple[Rank, RoutingRecord]:
         """Place a request as the live frontend would (``DynamoError`` if it cannot)."""
         core = self.core
@@ -84,7 +84,8 @@ class Pool:
             out = RoutingRecord(worker_id, dp_rank, chosen.overlap_blocks, chosen.cost)
             return self.ranks[(worker_id, dp_rank)], out
         assert self.basic is not None
-        request = PreprocessedRequest(model=MODEL, token_ids=tokens)
+        ids = tokens if isinstance(tokens, list) else list(tokens)  # a packed prompt
+        request = PreprocessedRequest(model=MODEL, token_ids=ids)
         selection = self.basic.select(request, self.cards)
         worker = selection.instance_id
         if selection.dp_rank is not None:

@@ -128,7 +128,7 @@ def run_replay(
     started = time.perf_counter()
     model, builder = prompt_builder(bench.tokenizer)
     deployment = with_model_vocabulary(deployment, model)
-    workload = build_workload(bench, builder)
+    workload = build_workload(bench, builder, packed=True)  # no int object per prompt id
     # Prompts are built lazily, as the simulation asks for them: nothing waits on a wall clock
     # here, and only the requests in flight hold theirs.
     sessions: Iterator[Session] = workload.sessions()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -70,7 +71,8 @@ from dynamo.runtime.heap import collector_paused
 
 _SEND, _PASS_END, _PASS_START = 0, 1, 2
 # every ended flight's prompt and spec (never read or changed): no objects kept per request
-_ENDED, _ENDED_SPEC = list[int](), RequestSpec(max_tokens=0, expected_prompt_tokens=0)
+_ENDED: list[int] | array[int] = []
+_ENDED_SPEC = RequestSpec(max_tokens=0, expected_prompt_tokens=0)
 _native_loop = native.load_optional("dynamo.replay._loop")
 """The event loop below (``_phase``'s, ``_pass_start``, ``_pass_end``) in C; None: this Python."""
 
@@ -234,7 +236,7 @@ class Simulation:
         now = self.now
         index = len(self.flights)
         prompt = spec.prompt
-        if not isinstance(prompt, list):
+        if not isinstance(prompt, list | array):
             raise ValueError("the replay needs token-id prompts (completions, ids)")
         record = RequestRecord(
             start=now,

@@ -167,6 +167,94 @@ done:
     return k;
 }
 
+/* Whether ``obj`` exposes its ids as u32 machine words (an ``array('I')``, the offline replay's
+ * packed prompts) in little-endian order: then *view holds them (to release) and 1; else 0
+ * (no exception: the caller reads it as a sequence). */
+static int
+u32_ids(PyObject *obj, Py_buffer *view)
+{
+#if PY_LITTLE_ENDIAN
+    if (PyList_Check(obj) || PyTuple_Check(obj) || !PyObject_CheckBuffer(obj))
+        return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "I") == 0)
+        return 1;
+    PyBuffer_Release(view);
+#endif
+    return 0;
+}
+
+/* ``reuse_known`` for a prompt given as u32 ids (``ids``: ``n`` of them, little-endian): the
+ * leading blocks equal to known_tokens' ids (compared a block at once when known_tokens is
+ * u32 ids too, else id by id) take known's hashes. */
+static Py_ssize_t
+reuse_known_ids(const unsigned char *ids, Py_ssize_t n, Py_ssize_t block_size, Py_ssize_t blocks,
+                PyObject *const *known, PyObject *out, PyObject *chain_out, uint64_t *prev)
+{
+    Py_ssize_t k = -1;
+    Py_buffer kv;
+    int packed = 0;
+    PyObject *kt = NULL;
+    PyObject *kl = PySequence_Fast(known[1], "known_local must be a sequence");
+    PyObject *kc = kl ? PySequence_Fast(known[2], "known_chained must be a sequence") : NULL;
+    if (kc == NULL)
+        goto done;
+    Py_ssize_t limit = blocks;
+    if (PySequence_Fast_GET_SIZE(kl) < limit)
+        limit = PySequence_Fast_GET_SIZE(kl);
+    if (PySequence_Fast_GET_SIZE(kc) < limit)
+        limit = PySequence_Fast_GET_SIZE(kc);
+    size_t width = (size_t)block_size * 4;
+    k = 0;
+    if ((packed = u32_ids(known[0], &kv))) {
+        if (kv.len / 4 / block_size < limit)
+            limit = kv.len / 4 / block_size;
+        while (k < limit && memcmp(ids + k * width, (const char *)kv.buf + k * width, width) == 0)
+            k++;
+    }
+    else {
+        if ((kt = PySequence_Fast(known[0], "known_tokens must be a sequence of ints")) == NULL) {
+            k = -1;
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(kt) / block_size < limit)
+            limit = PySequence_Fast_GET_SIZE(kt) / block_size;
+        PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
+        for (; k < limit; k++) {
+            Py_ssize_t i = k * block_size, hi = i + block_size;
+            for (; i < hi; i++) {
+                unsigned long t = token_id(kitems[i]);
+                if (t == (unsigned long)-1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    break;
+                }
+                uint32_t v;
+                memcpy(&v, ids + 4 * i, 4);
+                if (t != v)
+                    break;
+            }
+            if (i < hi)
+                break;
+        }
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyList_SET_ITEM(out, j, Py_NewRef(PySequence_Fast_ITEMS(kl)[j]));
+        PyList_SET_ITEM(chain_out, j, Py_NewRef(PySequence_Fast_ITEMS(kc)[j]));
+    }
+    if (k > 0 && as_u64(PySequence_Fast_ITEMS(kc)[k - 1], prev) < 0)
+        k = -1;
+done:
+    if (packed)
+        PyBuffer_Release(&kv);
+    Py_XDECREF(kt);
+    Py_XDECREF(kl);
+    Py_XDECREF(kc);
+    return k;
+}
+
 /* The local hashes of (tokens, block_size, seed) and, when ``chained`` is not NULL, their
  * sequence hashes into *chained (computed from the same u64 values: no conversion back).
  * ``known`` (NULL, or with ``chained``: known_tokens, known_local, known_chained): the leading
@@ -183,29 +271,42 @@ block_hashes(PyObject *const *args, PyObject **chained, PyObject *const *known)
             return NULL;
         return PyList_New(0);
     }
-    PyObject *seq = PySequence_Fast(args[0], "tokens must be a sequence of ints");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t blocks = n / block_size;
-    PyObject *out = NULL, *chain_out = NULL;
-    /* every token is converted, the tail too: a bad id fails as array('I') would (with
-     * ``known``, all but the ids that are known_tokens' own objects: reuse_known) */
-    unsigned char *buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1);
-    if (buf == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    /* a packed prompt's ids are hashed where they are; any other is converted (every token,
+     * the tail too: a bad id fails as array('I') would; with ``known``, all but the ids that
+     * are known_tokens' own objects: reuse_known) */
+    Py_buffer view;
+    int packed = u32_ids(args[0], &view);
+    PyObject *seq = NULL, *out = NULL, *chain_out = NULL;
+    unsigned char *buf = NULL;
+    Py_ssize_t n;
+    if (packed) {
+        n = view.len / 4;
+        buf = view.buf;
     }
+    else {
+        if ((seq = PySequence_Fast(args[0], "tokens must be a sequence of ints")) == NULL)
+            return NULL;
+        n = PySequence_Fast_GET_SIZE(seq);
+        if ((buf = PyMem_Malloc(n > 0 ? (size_t)n * 4 : 1)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    Py_ssize_t blocks = n / block_size;
     if ((out = PyList_New(blocks)) == NULL)
         goto done;
     if (chained != NULL && (chain_out = PyList_New(blocks)) == NULL)
         goto fail;
     uint64_t prev = 0;
     Py_ssize_t start = 0;
-    if (known == NULL ? token_bytes(items, n, buf) < 0
-                      : (start = reuse_known(items, n, buf, block_size, blocks, known, out,
-                                             chain_out, &prev)) < 0)
+    if (packed) {
+        if (known != NULL && (start = reuse_known_ids(buf, n, block_size, blocks, known, out,
+                                                      chain_out, &prev)) < 0)
+            goto fail;
+    }
+    else if (known == NULL ? token_bytes(PySequence_Fast_ITEMS(seq), n, buf) < 0
+                           : (start = reuse_known(PySequence_Fast_ITEMS(seq), n, buf, block_size,
+                                                  blocks, known, out, chain_out, &prev)) < 0)
         goto fail;
     size_t width = (size_t)block_size * 4;
     for (Py_ssize_t i = start; i < blocks; i++) {
@@ -226,8 +327,12 @@ block_hashes(PyObject *const *args, PyObject **chained, PyObject *const *known)
     if (chained != NULL)
         *chained = chain_out;
 done:
-    PyMem_Free(buf);
-    Py_DECREF(seq);
+    if (packed)
+        PyBuffer_Release(&view);
+    else {
+        PyMem_Free(buf);
+        Py_DECREF(seq);
+    }
     return out;
 fail:
     Py_CLEAR(out);

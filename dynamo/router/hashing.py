@@ -115,9 +115,9 @@ class SharedPrefixHasher:
     def __init__(self, block_size: int, *, lora_name: str | None = None) -> None:
         self.block_size = block_size
         self._seed = block_seed(lora_name)
-        self._last: dict[int, tuple[list[int], tuple[int, ...], tuple[int, ...]]] = {}
+        self._last: dict[int, tuple[Sequence[int], tuple[int, ...], tuple[int, ...]]] = {}
 
-    def hashes(self, tokens: list[int], key: int | None) -> tuple[list[int], list[int]]:
+    def hashes(self, tokens: Sequence[int], key: int | None) -> tuple[list[int], list[int]]:
         """``prompt_hashes(tokens, block_size)``; ``key`` None: nothing kept or reused."""
         if self.block_size <= 0:
             return [], []

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +137,20 @@ def test_prefix_requests_are_randrange_groups_and_fit_prompts(
             builder, workload.prefixes[group], 49, 3, rng, session=index, group=group
         )
         assert spec == want
+
+
+def test_packed_prefix_prompts_are_the_same_ids(
+    builders: dict[tuple[str, str], PromptBuilder],
+) -> None:
+    builder = builders[("completions", "ids")]
+    kw: dict[str, Any] = {"groups": 4, "prefix_len": 40, "suffix_len": 9, "osl": 3, "seed": 2}
+    plain = first_specs(PrefixWorkload(builder, **kw), 30)
+    packed = first_specs(PrefixWorkload(builder, packed=True, **kw), 30)
+    for a, b in zip(plain, packed, strict=True):
+        assert isinstance(b.prompt, array) and b.prompt.typecode == "I"
+        assert b.prompt.tolist() == a.prompt
+        b.prompt = a.prompt
+        assert a == b
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

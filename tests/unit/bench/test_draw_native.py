@@ -4,6 +4,7 @@ from the generator, for the populations and counts the workloads use and the edg
 from __future__ import annotations
 
 import random
+from array import array
 from types import ModuleType
 
 import pytest
@@ -94,3 +95,30 @@ def test_extended_refuses_what_its_twin_refuses(native: ModuleType) -> None:
         assert impl.extended(random.Random(0), [], [1, 2], 1) == [1]
     with pytest.raises(TypeError):
         native.extended(random.Random(0), [1], 5, 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_is_extended_as_u32_ids(native: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    population = list(range(100, 100 + rng.randint(1, 900)))
+    head = [rng.randrange(1 << 32) for _ in range(rng.randint(0, 300))]
+    for make in (random.Random, Skewed):
+        a, b, c = make(seed), make(seed), make(seed)
+        for total in (0, 1, len(head) // 2, len(head), len(head) + 1, len(head) + 200):
+            got = native.packed(a, population, array("I", head), total)
+            assert type(got) is array and got.typecode == "I"
+            assert got == py.packed(b, population, array("I", head), total)
+            assert got.tolist() == native.extended(c, population, head, total)
+            assert a.getstate() == b.getstate() == c.getstate()
+
+
+def test_packed_refuses_what_its_twin_refuses(native: ModuleType) -> None:
+    for impl in (native, py):
+        with pytest.raises(ValueError):
+            impl.packed(random.Random(0), [1], array("I", [1, 2]), -1)
+        with pytest.raises(IndexError):
+            impl.packed(random.Random(0), [], array("I", [1]), 2)
+        with pytest.raises(OverflowError):
+            impl.packed(random.Random(0), [-1], array("I"), 2)
+        with pytest.raises(TypeError):
+            impl.packed(random.Random(0), [1], array("H", [1]), 2)

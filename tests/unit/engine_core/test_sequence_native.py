@@ -6,6 +6,7 @@ stop and EOS ids, seeds, each disaggregation mode)."""
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any
@@ -72,7 +73,8 @@ def test_new_sequence_builds_what_the_dataclass_builds(native: ModuleType, modul
     for case in range(300):
         bs = rng.choice([1, 4, 16])
         cfg = Limits(rng.choice(["agg", "agg", "prefill", "decode"]), bs)
-        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
+        ids = [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
+        tokens: list[int] | array[int] = ids if rng.random() < 0.7 else array("I", ids)
         lora = rng.choice([None, None, "adapter-a"])
         local = local_block_hashes(tokens, bs, lora_name=lora)
         hashes = rng.choice([None, (local, sequence_hashes(local)), (local[:-1], [])])

@@ -6,6 +6,7 @@ skipped where it is not built; test_hashing.py's FACTS §1.3 vectors run on whic
 from __future__ import annotations
 
 import random
+from array import array
 from types import ModuleType
 
 import pytest
@@ -146,6 +147,34 @@ def test_prompt_hashes_after_a_known_prompt_are_prompt_hashes(
                 assert got == want
     assert native.prompt_hashes_after([1, 2], 0, 1, [1, 2], [], []) == ([], [])
     assert py.prompt_hashes_after([1, 2], 0, 1, [1, 2], [], []) == ([], [])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_prompts_hash_as_their_lists(native: ModuleType, seed: int) -> None:
+    """An ``array('I')`` prompt (the replay's packed prompts), as the prompt or the known one
+    or both, hashes as its list (its ids read where they are, shared blocks compared a block
+    at once)."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 3, 16])
+    prompts = _shared_prompts(rng, rng.randrange(4 * block_size), block_size)
+    for known in prompts:
+        k_local, k_chained = native.prompt_hashes(known, block_size, 1337)
+        for tokens in prompts:
+            want = py.prompt_hashes(tokens, block_size, 1337)
+            for module in (native, py):
+                assert module.prompt_hashes(array("I", tokens), block_size, 1337) == want
+                for k, t in ((array("I", known), tokens), (known, array("I", tokens))):
+                    assert (
+                        module.prompt_hashes_after(t, block_size, 1337, k, k_local, k_chained)
+                        == want
+                    )
+                packed = array("I", tokens), array("I", known)
+                assert (
+                    module.prompt_hashes_after(
+                        *packed[:1], block_size, 1337, packed[1], k_local, k_chained
+                    )
+                    == want
+                )
 
 
 def test_prompt_hashes_after_checks_ids_and_its_arguments(native: ModuleType) -> None:
