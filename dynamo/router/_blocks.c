@@ -15,7 +15,8 @@
  *
  * Table: linear probing, load factor at most 1/2, deletion by backward shift (no tombstones).
  * Slots are placed by a seeded mix of the key (a per-process random seed), so a client cannot
- * choose hashes that collide.
+ * choose hashes that collide; a table of prefix keys only (below) places them by their own low
+ * bits, which chain() has already mixed with its own seed.
  *
  * Prefix keys (the *_prefixes methods): the load accounting identifies an active block by its
  * position in the request, i.e. by the whole sequence of hashes up to it (a node of the trie of
@@ -42,6 +43,11 @@ typedef struct {
     Slot *slots;
     size_t mask; /* capacity - 1; capacity is a power of two */
     Py_ssize_t used;
+    /* 1: the keys are prefix keys (chain's output: already a seeded mix, which a client cannot
+     * aim) and a key's slot is its own low bits; 0: any hash, placed by slot_of's seeded mix.
+     * An empty table takes the mode of the first keys added (prefix_table / hash_table); a
+     * prefix table given hashes is re-placed by the mix. */
+    int own;
 } BlockCounts;
 
 #define MIN_CAPACITY 16
@@ -76,11 +82,19 @@ slot_of(uint64_t key, size_t mask)
     return (size_t)x & mask;
 }
 
+/* A key's home slot in t: the load accounting's tables hold prefix keys only, whose own bits
+ * are as good as the mix (~200 probes a request: the walk, the add and the free). */
+static inline size_t
+home_of(const BlockCounts *t, uint64_t key)
+{
+    return t->own ? (size_t)key & t->mask : slot_of(key, t->mask);
+}
+
 /* The index of the slot holding key, or of the empty slot where it would go. */
 static inline size_t
 find(const BlockCounts *t, uint64_t key)
 {
-    size_t i = slot_of(key, t->mask);
+    size_t i = home_of(t, key);
     for (;;) {
         const Slot *s = &t->slots[i];
         if (s->count == 0 || s->key == key) {
@@ -155,6 +169,31 @@ resize(BlockCounts *t, size_t capacity)
     return 0;
 }
 
+/* Before prefix keys are added: an empty table places keys by their own bits. */
+static inline void
+prefix_table(BlockCounts *t)
+{
+    if (t->used == 0) {
+        t->own = 1;
+    }
+}
+
+/* Before caller-given hashes are added: a table placing keys by their own bits is re-placed
+ * by the seeded mix (0, or -1 with the table unchanged). */
+static int
+hash_table(BlockCounts *t)
+{
+    if (!t->own) {
+        return 0;
+    }
+    t->own = 0;
+    if (t->used != 0 && resize(t, t->mask + 1) < 0) {
+        t->own = 1;
+        return -1;
+    }
+    return 0;
+}
+
 /* Add n to key's count, inserting it when absent. */
 static inline int
 increment(BlockCounts *t, uint64_t key, uint64_t n)
@@ -187,7 +226,7 @@ erase(BlockCounts *t, size_t i)
         if (t->slots[j].count == 0) {
             break;
         }
-        size_t home = slot_of(t->slots[j].key, mask);
+        size_t home = home_of(t, t->slots[j].key);
         /* The hole lies on the entry's probe path from home to j: move the entry into it. */
         if (((i - home) & mask) < ((j - home) & mask)) {
             t->slots[i] = t->slots[j];
@@ -342,6 +381,9 @@ BlockCounts_init(BlockCounts *self, PyObject *args, PyObject *kwds)
     if (hashes == NULL) {
         return 0;
     }
+    if (hash_table(self) < 0) {
+        return -1;
+    }
     if ((PyTuple_CheckExact(hashes) || PyList_CheckExact(hashes)) && self->used == 0) {
         /* Size the table once for the sequence instead of growing it step by step. */
         size_t capacity = MIN_CAPACITY;
@@ -386,7 +428,7 @@ BlockCounts_contains(BlockCounts *self, PyObject *obj)
 static PyObject *
 BlockCounts_add(BlockCounts *self, PyObject *hashes)
 {
-    if (for_each_key(self, hashes, add_one) < 0) {
+    if (hash_table(self) < 0 || for_each_key(self, hashes, add_one) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -405,6 +447,7 @@ BlockCounts_remove(BlockCounts *self, PyObject *hashes)
 static PyObject *
 BlockCounts_add_prefixes(BlockCounts *self, PyObject *hashes)
 {
+    prefix_table(self);
     if (for_each_prefix(self, hashes, add_one) < 0) {
         return NULL;
     }
@@ -428,6 +471,7 @@ BlockCounts_of_prefixes(PyTypeObject *type, PyObject *hashes)
     if (self == NULL) {
         return NULL;
     }
+    prefix_table(self);
     if ((PyTuple_CheckExact(hashes) || PyList_CheckExact(hashes))) {
         size_t capacity = MIN_CAPACITY;
         while (capacity < (size_t)PySequence_Fast_GET_SIZE(hashes) * 2) {
@@ -526,6 +570,7 @@ for_each_buffered(BlockCounts *t, PyObject *keys, const char *what, KeyFn fn)
 static PyObject *
 BlockCounts_add_prefix_keys(BlockCounts *self, PyObject *keys)
 {
+    prefix_table(self);
     if (self->used == 0 && PyBytes_Check(keys)) {
         /* Size an empty table once for the request (as the constructor does): with 100 workers
          * most ranks run one request at a time, so each add found the table shrunk back to
@@ -885,6 +930,7 @@ parse_json(PyTypeObject *type, PyObject *data, int prefixes)
     if (self == NULL) {
         goto done;
     }
+    self->own = prefixes;
     if (resize(self, capacity) < 0) { /* the empty table, sized once */
         goto done;
     }
@@ -981,7 +1027,7 @@ BlockCounts_count_absent(BlockCounts *self, PyObject *other)
             const Slot *s = &query->slots[i];
             if (s->count != 0) {
                 keys[n] = s->key;
-                homes[n] = slot_of(s->key, self->mask);
+                homes[n] = home_of(self, s->key);
                 __builtin_prefetch(&self->slots[homes[n]]);
                 n++;
             }

@@ -347,6 +347,9 @@ def test_slot_placement_is_seeded_per_process(implementation: str) -> None:
         pytest.skip("a dict keeps insertion order: see the fallback's scrambling test")
     keys = [k << 40 for k in range(64)]
     assert [k for k, _ in BlockCounts(keys).items()] != keys
+    mixed = BlockCounts.of_prefixes([1])  # a prefix table given hashes places them by the mix
+    mixed.add(keys)
+    assert [k for k, _ in mixed.items() if k in set(keys)] != keys
     layouts = {
         subprocess.run(
             [sys.executable, "-c", _LAYOUT_SCRIPT],
@@ -874,6 +877,37 @@ def test_prefix_key_bytes_of_shared_and_changed_hash_objects() -> None:
     with pytest.raises(TypeError):  # a bad item after a shared run: nothing kept of it
         prefix_key_bytes([*groups[0][:10], "x"])
     assert prefix_key_bytes(groups[0][:12]) == prefix_key_bytes(list(groups[0][:12]))
+
+
+def test_a_table_given_prefix_keys_and_hashes_holds_both() -> None:
+    """A table of prefix keys then given plain hashes (the native side places the two kinds
+    differently and re-places the table), through growth, removal, emptying and reuse: every
+    key held is found, counted and walked."""
+    prefixes = prefix_keys(list(range(50)))
+    for start in (0, 1):  # an empty table, or a prefix table since emptied
+        table = BlockCounts()
+        if start:
+            table.add_prefixes([7])
+            table.remove_prefixes([7])
+        table.add_prefix_keys(prefix_key_bytes(list(range(50))))
+        table.add(list(range(1000, 1300)))
+        assert len(table) == 350
+        assert all(table.count(k) == 1 for k in [*prefixes, *range(1000, 1300)])
+        assert new_blocks_of_keys([table], prefix_key_bytes(list(range(60)))) == [10]
+        table.add_prefixes(list(range(20)))  # more prefix keys into the mixed table
+        assert table.count(prefixes[19]) == 2 and table.count(prefixes[20]) == 1
+        assert table.count_absent(BlockCounts.of_prefixes(list(range(55)))) == 5
+        table.remove_prefixes(list(range(20)))
+        table.remove_prefix_keys(prefix_key_bytes(list(range(50))))
+        table.remove(list(range(1000, 1300)))
+        assert len(table) == 0
+        table.add_prefix_keys(prefix_key_bytes([1, 2, 3]))  # empty again: prefix keys only
+        assert new_blocks_of_keys([table], prefix_key_bytes([1, 2, 3, 4])) == [1]
+        assert as_dict(table) == as_dict(BlockCounts.of_prefixes([1, 2, 3]))
+    table = BlockCounts.prefixes_from_json(b"[1, 2, 3]")
+    table.add([5, 6])
+    assert table.count(5) == 1 and table.count(prefix_keys([1, 2, 3])[2]) == 1
+    assert len(table) == 5
 
 
 def test_prefix_methods_reject_what_the_plain_ones_reject() -> None:
