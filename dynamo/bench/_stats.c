@@ -666,20 +666,24 @@ record_figures(PyObject *module, PyObject *records)
             goto done;
         }
     }
-    /* the summary's order: ttft, itl, tpot, e2e, input and output tokens */
+    /* the summary's order: ttft, itl, tpot, e2e, input and output tokens; the ITLs first,
+     * while the borrowed lists are certainly alive (a figures tuple's allocation may run a
+     * collection, whose finalizers could change a record), the columns are our arrays */
+    static const int order[6] = {1, 0, 2, 3, 4, 5};
     PyObject *figures[6] = {NULL};
     int k;
     for (k = 0; k < 6; k++) {
-        figures[k] = k == 1 ? series_figures(g.itl, g.parts, g.itl_n, 1000.0)
-                            : column_figures(columns[k == 0 ? 0 : k - 1]);
-        if (figures[k] == NULL || figures[k] == Py_None) /* an error; a NaN or odd gap */
+        int f = order[k];
+        figures[f] = f == 1 ? series_figures(g.itl, g.parts, g.itl_n, 1000.0)
+                            : column_figures(columns[f == 0 ? 0 : f - 1]);
+        if (figures[f] == NULL || figures[f] == Py_None) /* an error; a NaN or odd gap */
             break;
     }
     if (k == 6)
         out = Py_BuildValue("(nOOOOOOOLLLL)", g.ok, g.failed, figures[0], figures[1], figures[2],
                             figures[3], figures[4], figures[5], g.output_total, g.prompt_total,
                             g.cached_total, g.mismatch);
-    else if (figures[k] != NULL)
+    else if (figures[order[k]] != NULL)
         out = Py_NewRef(Py_None);
     for (k = 0; k < 6; k++)
         Py_XDECREF(figures[k]);

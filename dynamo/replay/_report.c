@@ -244,11 +244,14 @@ flight_figures(PyObject *module, PyObject *flights)
             }
         }
     }
-    PyObject *totals = totals_dict(&w);
-    if (totals != NULL) {
-        out = window != NULL ? Py_BuildValue("(OON)", records, window, totals)
-                             : Py_BuildValue("(OdN)", records, 0.0, totals);
-    }
+    /* a strong reference first: the dict's allocations may run a collection, whose finalizers
+     * could set the record's end to another float */
+    window = window != NULL ? Py_NewRef(window) : PyFloat_FromDouble(0.0);
+    PyObject *totals = window != NULL ? totals_dict(&w) : NULL;
+    if (totals != NULL)
+        out = Py_BuildValue("(ONN)", records, window, totals);
+    else
+        Py_XDECREF(window);
     goto done;
 defer:
     out = Py_NewRef(Py_None);
