@@ -238,31 +238,10 @@ end:
     return out;
 }
 
-/* The u32 of a drawn word (array('I') semantics: OverflowError outside [0, 2**32), TypeError
- * for a non-int): 0, or -1 with an exception. */
-static inline int
-word_u32(PyObject *item, uint32_t *out)
-{
-#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
-    if (PyLong_CheckExact(item) && Py_SIZE(item) == 1) { /* one 30-bit digit: every vocabulary */
-        *out = ((PyLongObject *)item)->ob_digit[0];
-        return 0;
-    }
-#endif
-    unsigned long t = PyLong_AsUnsignedLong(item);
-    if (t == (unsigned long)-1 && PyErr_Occurred())
-        return -1;
-    if (t > 0xFFFFFFFFUL) {
-        PyErr_SetString(PyExc_OverflowError, "unsigned int is greater than maximum");
-        return -1;
-    }
-    *out = (uint32_t)t;
-    return 0;
-}
-
-/* ``draw_into``'s draws as u32 ids into ``out[0:k]``: 0, or -1 with an exception. */
+/* ``draw_into``'s draws as u32 ids into ``out[0:k]``, the population given as u32 ids too
+ * (``words``: ``n`` of them): 0, or -1 with an exception. */
 static int
-draw_ids(PyObject *rng, uint32_t *out, Py_ssize_t k, PyObject *const *items, Py_ssize_t n)
+draw_ids(PyObject *rng, uint32_t *out, Py_ssize_t k, const uint32_t *words, Py_ssize_t n)
 {
     if (k <= 0)
         return 0;
@@ -271,23 +250,31 @@ draw_ids(PyObject *rng, uint32_t *out, Py_ssize_t k, PyObject *const *items, Py_
         return -1;
     int rc = -1;
     double fn = (double)n;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        double f;
-        if (src.mt != NULL) /* in place, as draw_into */
-            f = mt_random(src.mt) * fn;
-        else {
-            double x;
-            if (source_draw(&src, &x) < 0)
-                goto end;
-            f = floor(x * fn);
+    Py_ssize_t i = 0;
+    if (src.mt != NULL) { /* in place, as draw_into */
+        for (; i < k; i++) {
+            double f = mt_random(src.mt) * fn; /* >= 0: truncation is floor */
+            if (!(f < fn))
+                break;
+            out[i] = words[(Py_ssize_t)f];
         }
+        if (i < k) {
+            PyErr_SetString(PyExc_IndexError, n ? "list index out of range"
+                                                : "Cannot choose from an empty sequence");
+            goto end;
+        }
+    }
+    for (; i < k; i++) {
+        double x;
+        if (source_draw(&src, &x) < 0)
+            goto end;
+        double f = floor(x * fn);
         if (!(f >= 0.0 && f < fn)) {
             PyErr_SetString(PyExc_IndexError, n ? "list index out of range"
                                                 : "Cannot choose from an empty sequence");
             goto end;
         }
-        if (word_u32(items[(Py_ssize_t)f], &out[i]) < 0)
-            goto end;
+        out[i] = words[(Py_ssize_t)f];
     }
     rc = 0;
 end:
@@ -295,15 +282,32 @@ end:
     return rc;
 }
 
+/* Whether ``obj``'s buffer is u32 ids (format "I"): 1 with *view held, else 0 with a
+ * TypeError naming ``what``. */
+static int
+u32_view(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be an array('I')", what);
+        return 0;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "I") == 0)
+        return 1;
+    PyBuffer_Release(view);
+    PyErr_Format(PyExc_TypeError, "%s must be an array('I')", what);
+    return 0;
+}
+
 static PyObject *array_type; /* array.array */
 
-/* packed(rng, population, head, total): ``extended``'s prompt as an ``array('I')``; ``head`` an
- * ``array('I')`` (a group's words, packed once). */
+/* packed(rng, words, head, total): ``extended``'s prompt as an ``array('I')``; ``words`` (the
+ * population) and ``head`` (a group's words) are ``array('I')``s, packed once. */
 static PyObject *
 packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "packed(rng, population, head, total)");
+        PyErr_SetString(PyExc_TypeError, "packed(rng, words, head, total)");
         return NULL;
     }
     Py_ssize_t total = PyLong_AsSsize_t(args[3]);
@@ -313,29 +317,27 @@ packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "a prompt's length cannot be negative");
         return NULL;
     }
-    Py_buffer head;
-    if (PyObject_GetBuffer(args[2], &head, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+    Py_buffer words, head;
+    if (!u32_view(args[1], &words, "the words"))
         return NULL;
-    PyObject *pop = NULL, *bytes = NULL, *out = NULL;
-    if (head.itemsize != 4 || head.format == NULL || strcmp(head.format, "I") != 0) {
-        PyErr_SetString(PyExc_TypeError, "the head must be an array('I')");
-        goto end;
+    if (!u32_view(args[2], &head, "the head")) {
+        PyBuffer_Release(&words);
+        return NULL;
     }
+    PyObject *bytes = NULL, *out = NULL;
     Py_ssize_t kept = head.len / 4;
     if (kept > total)
         kept = total;
-    if ((pop = PySequence_Fast(args[1], "population must be a sequence")) == NULL ||
-        (bytes = PyBytes_FromStringAndSize(NULL, total * 4)) == NULL)
+    if ((bytes = PyBytes_FromStringAndSize(NULL, total * 4)) == NULL)
         goto end;
     uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(bytes);
     memcpy(ids, head.buf, (size_t)kept * 4);
-    if (draw_ids(args[0], ids + kept, total - kept, PySequence_Fast_ITEMS(pop),
-                 PySequence_Fast_GET_SIZE(pop)) < 0)
+    if (draw_ids(args[0], ids + kept, total - kept, words.buf, words.len / 4) < 0)
         goto end;
     out = PyObject_CallFunction(array_type, "sO", "I", bytes); /* the ids as machine words */
 end:
+    PyBuffer_Release(&words);
     PyBuffer_Release(&head);
-    Py_XDECREF(pop);
     Py_XDECREF(bytes);
     return out;
 }
@@ -427,8 +429,8 @@ static PyMethodDef methods[] = {
      "extended(rng, population, head, total): head[:total] + choices(rng, population, "
      "total - len(head[:total])) as one new list (contract: _draw.pyi)."},
     {"packed", (PyCFunction)(void (*)(void))packed, METH_FASTCALL,
-     "packed(rng, population, head, total): extended's prompt as an array('I') (contract: "
-     "_draw.pyi)."},
+     "packed(rng, words, head, total): extended's prompt as an array('I'), words and head "
+     "array('I')s too (contract: _draw.pyi)."},
     {"in_place", in_place, METH_NOARGS,
      "in_place(): whether the built-in generator's random() is computed from its state here."},
     {NULL, NULL, 0, NULL},

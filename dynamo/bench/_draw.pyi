@@ -19,9 +19,8 @@ def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], tot
     shared words, then its own). ValueError for a negative ``total``; IndexError for an empty
     population when draws are needed."""
 
-def packed(
-    rng: random.Random, population: Sequence[int], head: array[int], total: int
-) -> array[int]:
-    """``extended``'s prompt as an ``array('I')`` (the same draws and ids; ``head`` an
-    ``array('I')``): a token-id prompt with no int object per id to copy, hash or free (the
-    offline replay's). OverflowError for a drawn id outside [0, 2**32)."""
+def packed(rng: random.Random, words: array[int], head: array[int], total: int) -> array[int]:
+    """``extended``'s prompt as an ``array('I')``, its population (``words``) and ``head``
+    ``array('I')``s too, packed once: the same draws and ids, with no int object per id to
+    copy, hash or free (the offline replay's token-id prompts). TypeError for another
+    ``words`` or ``head``."""

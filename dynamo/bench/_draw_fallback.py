@@ -23,13 +23,11 @@ def extended(rng: random.Random, population: Sequence[T], head: Sequence[T], tot
     return out
 
 
-def packed(
-    rng: random.Random, population: Sequence[int], head: array[int], total: int
-) -> array[int]:
+def packed(rng: random.Random, words: array[int], head: array[int], total: int) -> array[int]:
     if total < 0:
         raise ValueError("a prompt's length cannot be negative")
-    if head.typecode != "I":
-        raise TypeError("the head must be an array('I')")
+    if not all(isinstance(a, array) and a.typecode == "I" for a in (words, head)):
+        raise TypeError("the words and the head must be array('I')s")
     out = head[:total]
-    out.extend(rng.choices(population, k=total - len(out)))
+    out.extend(rng.choices(words, k=total - len(out)))
     return out

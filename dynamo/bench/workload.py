@@ -184,13 +184,14 @@ class PrefixWorkload:
         bits = n.bit_length()
         ids, heads = builder.mode == "ids", self._packed
         words = builder.words
+        packed_words = array("I", words)  # the population of the packed draws, once
         index = 0
         while True:
             group = getrandbits(bits)
             while group >= n:
                 group = getrandbits(bits)
             if heads is not None:  # extended's ids, packed
-                ids_of: list[int] | array[int] = packed(rng, words, heads[group], total)
+                ids_of: list[int] | array[int] = packed(rng, packed_words, heads[group], total)
                 spec = RequestSpec(osl, total, None, ids_of, index, 0, group)
             elif ids:
                 ids_of = extended(rng, words, prefixes[group], total)
