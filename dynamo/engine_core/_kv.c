@@ -1400,7 +1400,7 @@ static PyTypeObject KVType = {
  * (``hashing.SharedPrefixHasher``), ~64 of a request's ~72 (router/_blocks.c's prefix keys and
  * router/_radix.c's walk keep the same kind of memo). Identity only: an int never changes, so
  * the same object has the same key; anything else is converted, as before. */
-#define MEMO_WAYS 32
+#define MEMO_WAYS 128
 
 typedef struct {
     Py_ssize_t n, cap;
@@ -1469,7 +1469,7 @@ api_keys_of(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs,
     KeyMemo *m = NULL;
     Py_ssize_t same = 0; /* leading items that are the memo's objects */
     if (n > 0) {
-        m = &key_memo[((uintptr_t)items[0] >> 4) * 0x9E3779B97F4A7C15ULL >> 59];
+        m = &key_memo[((uintptr_t)items[0] >> 4) * 0x9E3779B97F4A7C15ULL >> 57];
         Py_ssize_t most = n < m->n ? n : m->n;
         while (same < most && m->items[same] == items[same])
             same++;
