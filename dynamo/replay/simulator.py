@@ -39,6 +39,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from dynamo import native
@@ -104,6 +105,9 @@ class Simulation:
         self._timeouts: deque[tuple[float, Flight]] = deque()
         self._remote_prefills = 0  # disaggregated: prefills in flight on prefill workers
         self._prefix = "replay"
+        # the virtual clock, read by the routers and the load: ``self.now`` through a C call
+        # (the KV router reads it once a request; a method was a Python frame each time)
+        self._clock: Callable[[], float] = partial(getattr, self, "now")
         seed = load.seed if deployment.router_seed is None else deployment.router_seed
         self.decode_pool = build_pool(
             deployment,
@@ -130,9 +134,6 @@ class Simulation:
         self._hash_size = self.decode_pool.config.block_size
         self._hasher = SharedPrefixHasher(self._hash_size)  # a prefix group's blocks: hashed once
         self._frontend = FrontendModel(deployment.frontend_ms) if deployment.frontend_ms else None
-
-    def _clock(self) -> float:
-        return self.now
 
     # -- the event loop ---------------------------------------------------------------------
     def _push(self, when: float, kind: int, payload: object) -> None:
