@@ -331,11 +331,18 @@ stored_block(PyObject *hash, PyObject *local)
 
 enum { RAW_STORED = 1, RAW_REMOVED = 2, RAW_HAS_PARENT = 4, RAW_NEG = 8, RAW_HEADER = 3 };
 
-static int
+static int raw_grow(KV *kv, size_t extra);
+
+/* Room for ``extra`` more words: 0, or -1 with MemoryError. */
+static inline int
 raw_reserve(KV *kv, size_t extra)
 {
-    if (kv->rlen + extra <= kv->rcap)
-        return 0;
+    return kv->rlen + extra <= kv->rcap ? 0 : raw_grow(kv, extra);
+}
+
+static int
+raw_grow(KV *kv, size_t extra)
+{
     size_t cap = kv->rcap ? kv->rcap : 64;
     while (cap < kv->rlen + extra)
         cap *= 2;
@@ -355,7 +362,7 @@ raw_reserve(KV *kv, size_t extra)
     return 0;
 }
 
-static int
+static inline int
 raw_word(KV *kv, uint64_t v, uint8_t neg)
 {
     if (raw_reserve(kv, 1) < 0)

@@ -195,7 +195,7 @@ get_ssize(PyObject *seq, int f, Py_ssize_t *out)
 static PyObject *count_ints[COUNT_INTS];
 
 /* ``int(n)`` (new reference), or NULL with an exception. */
-static PyObject *
+static inline PyObject *
 count_int(Py_ssize_t n)
 {
     if (n < 0 || n >= COUNT_INTS)
@@ -206,7 +206,7 @@ count_int(Py_ssize_t n)
     return Py_NewRef(v);
 }
 
-static int
+static inline int
 put_ssize(PyObject *seq, int f, Py_ssize_t n)
 {
     return put_new(seq, f, count_int(n));
@@ -344,7 +344,7 @@ typedef struct {
     const Py_ssize_t *ntok, *computed;
 } Batch;
 
-static int
+static inline int
 batch_at(const Batch *b, Py_ssize_t i, PyObject **seq, Py_ssize_t *n)
 {
     if (b->list != NULL)
@@ -1603,10 +1603,11 @@ advance_one(PyObject *kv, PyObject *seq, Py_ssize_t n, PyObject *token, Py_ssize
     Py_DECREF(output);
     if (rc < 0)
         return -1;
-    PyObject *items[2] = {seq, token}, *reason;
-    PyObject *pair = tuple_of(2, items, NULL);
+    PyObject *reason, *pair = PyTuple_New(2); /* (seq, token): what the delivery reads */
     if (pair == NULL)
         return -1;
+    PyTuple_SET_ITEM(pair, 0, Py_NewRef(seq));
+    PyTuple_SET_ITEM(pair, 1, Py_NewRef(token));
     rc = PyList_Append(tokens_out, pair);
     Py_DECREF(pair);
     if (rc < 0 || finish_reason(seq, nout, token, &reason) < 0)
