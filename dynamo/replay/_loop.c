@@ -892,12 +892,123 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *sim, *prefix, *by_id, *timeouts, *hasher, *core, *ranks, *queue, *counter;
     PyObject *record_type, *flight_type, *routing_type, *new_sequence, *dynamo_error;
+    /* ``SharedPrefixHasher.hashes``'s body run here when the hasher is a plain one (its
+     * ``_last`` table, block size, seed and the two hash functions it calls); NULL: called */
+    PyObject *last, *block_size, *seed, *plain_pair, *pair_after;
+    PyObject *sched_type; /* a scheduler class whose ``enqueue`` is Scheduler's (strong) */
 } Sender;
 
-static PyObject *array_type; /* array.array: a packed prompt */
 static PyObject *s_flights, *s_send, *s_hashes, *s_route, *s_worker_id, *s_dp_rank,
     *s_overlap_blocks, *s_cost, *s_enqueue, *s_fail, *s_load, *s_timeout_s, *s_append,
     *kw_route, *kw_sequence;
+
+/* The methods the send runs the bodies of, as defined (captured at import, as the loop's). */
+static PyObject *orig_hashes, *orig_enqueue, *hasher_type, *s__last, *s__seed, *s_block_size;
+
+/* ``sim._hasher.hashes(tokens, key)`` (``key`` None: nothing kept or reused). */
+static PyObject *
+prompt_hashes_of(Sender *S, PyObject *tokens, PyObject *key)
+{
+    if (S->last == NULL) {
+        PyObject *args[2] = {tokens, key};
+        return call_method(S->hasher, s_hashes, args, 2);
+    }
+    PyObject *last = key == Py_None ? NULL : PyDict_GetItemWithError(S->last, key);
+    if (last == NULL && PyErr_Occurred())
+        return NULL;
+    PyObject *pair;
+    if (last == NULL) {
+        PyObject *args[3] = {tokens, S->block_size, S->seed};
+        pair = PyObject_Vectorcall(S->plain_pair, args, 3, NULL);
+    }
+    else {
+        if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a hasher's last prompt is a 3-tuple");
+            return NULL;
+        }
+        PyObject *args[6] = {tokens,
+                             S->block_size,
+                             S->seed,
+                             PyTuple_GET_ITEM(last, 0),
+                             PyTuple_GET_ITEM(last, 1),
+                             PyTuple_GET_ITEM(last, 2)};
+        pair = PyObject_Vectorcall(S->pair_after, args, 6, NULL);
+    }
+    if (pair == NULL)
+        return NULL;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        Py_DECREF(pair);
+        PyErr_SetString(PyExc_TypeError, "prompt hashes are a (local, chained) pair");
+        return NULL;
+    }
+    if (key != Py_None) { /* tuples: the returned lists are the caller's to change */
+        PyObject *local = PySequence_Tuple(PyTuple_GET_ITEM(pair, 0));
+        PyObject *chained = local ? PySequence_Tuple(PyTuple_GET_ITEM(pair, 1)) : NULL;
+        PyObject *entry = chained ? PyTuple_Pack(3, tokens, local, chained) : NULL;
+        int rc = entry == NULL ? -1 : PyDict_SetItem(S->last, key, entry);
+        Py_XDECREF(local);
+        Py_XDECREF(chained);
+        Py_XDECREF(entry);
+        if (rc < 0)
+            Py_CLEAR(pair);
+    }
+    return pair;
+}
+
+/* ``sched.enqueue(seq)`` (``seq`` fresh from ``new_sequence``, ``rid`` its id): a plain
+ * ``Scheduler``'s body here (into ``_requests`` and the back of ``_waiting``), unless the id is
+ * queued already (the method raises). 0, or -1 with an exception. */
+static int
+enqueue(Sender *S, PyObject *sched, PyObject *seq, PyObject *rid)
+{
+    PyObject *type = (PyObject *)Py_TYPE(sched);
+    if (type != S->sched_type && S->sched_type == NULL) {
+        PyObject *names[1] = {s_enqueue}, *origs[1] = {orig_enqueue};
+        if (has_originals(type, names, origs, 1))
+            S->sched_type = Py_NewRef(type);
+    }
+    if (type != S->sched_type)
+        return done(call_method(sched, s_enqueue, &seq, 1));
+    PyObject *requests = PyObject_GetAttr(sched, s__requests), *waiting = NULL;
+    int rc = -1;
+    if (requests == NULL)
+        return -1;
+    int known = PyDict_Check(requests) ? PyDict_Contains(requests, rid) : 1;
+    if (known != 0) { /* a duplicate (or an unusual table): the method decides */
+        Py_DECREF(requests);
+        return known < 0 ? -1 : done(call_method(sched, s_enqueue, &seq, 1));
+    }
+    if (PyDict_SetItem(requests, rid, seq) == 0 &&
+        (waiting = PyObject_GetAttr(sched, s__waiting)) != NULL)
+        rc = done(call_method(waiting, s_append, &seq, 1));
+    Py_DECREF(requests);
+    Py_XDECREF(waiting);
+    return rc;
+}
+
+/* The hasher's and the scheduler's methods as defined (module import): 0 or -1. */
+static int
+capture_send_originals(void)
+{
+    PyObject *m = PyImport_ImportModule("dynamo.router.hashing"), *cls = NULL;
+    if (m == NULL || (hasher_type = PyObject_GetAttrString(m, "SharedPrefixHasher")) == NULL ||
+        (orig_hashes = PyObject_GetAttr(hasher_type, s_hashes)) == NULL)
+        goto fail;
+    Py_DECREF(m);
+    if ((m = PyImport_ImportModule("dynamo.engine_core.scheduler")) == NULL ||
+        (cls = PyObject_GetAttrString(m, "Scheduler")) == NULL ||
+        (orig_enqueue = PyObject_GetAttr(cls, s_enqueue)) == NULL)
+        goto fail;
+    Py_DECREF(cls);
+    Py_DECREF(m);
+    return 0;
+fail:
+    Py_XDECREF(cls);
+    Py_XDECREF(m);
+    return -1;
+}
+
+static PyObject *array_type; /* array.array: a packed prompt */
 
 /* The send's ``except DynamoError as exc: self._fail(flight, exc)``: 0 when it was one and
  * ``_fail`` ran, -1 with the exception otherwise. */
@@ -963,7 +1074,7 @@ route_and_enqueue(Sender *S, PyObject *flight, PyObject *rid, PyObject *prompt, 
     /* _enqueue */
     if (dyn_slots_put(&flight_slots, flight, FL_RANK, rank) < 0 ||
         (sched = dyn_slots_get(&rank_slots, rank, RK_SCHED)) == NULL ||
-        done(call_method(sched, s_enqueue, &seq, 1)) < 0 ||
+        enqueue(S, sched, seq, rid) < 0 ||
         (state = dyn_slots_get(&rank_slots, rank, RK_STATE)) == NULL)
         goto end;
     int idle = PyObject_RichCompareBool(state, state_obj[R_IDLE], Py_EQ);
@@ -1051,8 +1162,7 @@ sender_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwna
     int grouped = PyObject_RichCompareBool(v[4], kind_obj[0], Py_GE);
     if (grouped < 0)
         goto end;
-    PyObject *hargs[2] = {prompt, grouped ? v[4] : Py_None};
-    if ((hashes = call_method(S->hasher, s_hashes, hargs, 2)) == NULL)
+    if ((hashes = prompt_hashes_of(S, prompt, grouped ? v[4] : Py_None)) == NULL)
         goto end;
     rc = route_and_enqueue(S, flight, rid, prompt, now, hashes, v[0]);
 end:
@@ -1088,6 +1198,12 @@ sender_traverse(Sender *S, visitproc visit, void *arg)
     Py_VISIT(S->routing_type);
     Py_VISIT(S->new_sequence);
     Py_VISIT(S->dynamo_error);
+    Py_VISIT(S->last);
+    Py_VISIT(S->block_size);
+    Py_VISIT(S->seed);
+    Py_VISIT(S->plain_pair);
+    Py_VISIT(S->pair_after);
+    Py_VISIT(S->sched_type);
     return 0;
 }
 
@@ -1108,6 +1224,12 @@ sender_clear(Sender *S)
     Py_CLEAR(S->routing_type);
     Py_CLEAR(S->new_sequence);
     Py_CLEAR(S->dynamo_error);
+    Py_CLEAR(S->last);
+    Py_CLEAR(S->block_size);
+    Py_CLEAR(S->seed);
+    Py_CLEAR(S->plain_pair);
+    Py_CLEAR(S->pair_after);
+    Py_CLEAR(S->sched_type);
     return 0;
 }
 
@@ -1138,6 +1260,44 @@ take_attr(PyObject *obj, const char *name, PyObject **slot)
     return (*slot = PyObject_GetAttrString(obj, name)) == NULL ? -1 : 0;
 }
 
+/* A plain ``SharedPrefixHasher`` (its ``hashes`` as defined, a positive block size): its
+ * table, block size, seed and hash functions for ``prompt_hashes_of``. 0, or -1 with an
+ * exception; S->last stays NULL (the method is called) for any other hasher. */
+static int
+plain_hasher(Sender *S)
+{
+    PyObject *names[1] = {s_hashes}, *origs[1] = {orig_hashes};
+    if (!has_originals((PyObject *)Py_TYPE(S->hasher), names, origs, 1))
+        return 0;
+    PyObject *m = PyImport_ImportModule("dynamo.router.hashing");
+    if (m == NULL)
+        return -1;
+    PyObject *last = NULL, *size = NULL, *seed = NULL, *plain = NULL, *after = NULL;
+    int rc = -1;
+    if ((last = PyObject_GetAttr(S->hasher, s__last)) == NULL ||
+        (size = PyObject_GetAttr(S->hasher, s_block_size)) == NULL ||
+        (seed = PyObject_GetAttr(S->hasher, s__seed)) == NULL ||
+        (plain = PyObject_GetAttrString(m, "_plain_pair")) == NULL ||
+        (after = PyObject_GetAttrString(m, "_pair_after")) == NULL)
+        goto end;
+    rc = 0;
+    long bs = PyLong_Check(size) ? PyLong_AsLong(size) : 0;
+    if (bs == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    else if (bs > 0 && PyDict_CheckExact(last)) { /* else: the method (no blocks: empty) */
+        S->last = Py_NewRef(last), S->block_size = Py_NewRef(size), S->seed = Py_NewRef(seed);
+        S->plain_pair = Py_NewRef(plain), S->pair_after = Py_NewRef(after);
+    }
+end:
+    Py_DECREF(m);
+    Py_XDECREF(last);
+    Py_XDECREF(size);
+    Py_XDECREF(seed);
+    Py_XDECREF(plain);
+    Py_XDECREF(after);
+    return rc;
+}
+
 static PyObject *
 sender(PyObject *module, PyObject *sim)
 {
@@ -1149,6 +1309,7 @@ sender(PyObject *module, PyObject *sim)
     S->prefix = S->by_id = S->timeouts = S->hasher = S->core = S->ranks = S->queue = NULL;
     S->counter = S->record_type = S->flight_type = S->routing_type = NULL;
     S->new_sequence = S->dynamo_error = NULL;
+    S->last = S->block_size = S->seed = S->plain_pair = S->pair_after = S->sched_type = NULL;
     PyObject_GC_Track(S);
     PyObject *pool = NULL, *m = NULL;
     int rc = -1;
@@ -1171,6 +1332,8 @@ sender(PyObject *module, PyObject *sim)
         take_attr(m, "RoutingRecord", &S->routing_type) < 0 ||
         take_attr(m, "new_sequence", &S->new_sequence) < 0 ||
         take_attr(m, "DynamoError", &S->dynamo_error) < 0)
+        goto end;
+    if (Py_IS_TYPE(S->hasher, (PyTypeObject *)hasher_type) && plain_hasher(S) < 0)
         goto end;
     rc = 0;
 end:
@@ -1230,7 +1393,9 @@ PyInit__loop(void)
         intern(&s__requests, "_requests") || intern(&s_kv, "kv") || intern(&s_config, "config") ||
         intern(&s_transfer_seconds, "transfer_seconds") || intern(&s_indexer, "indexer") ||
         intern(&s_apply_in_order, "apply_in_order") || intern(&s_apply_raw, "apply_raw") ||
-        intern(&s_sequences, "sequences") || capture_originals() < 0)
+        intern(&s_sequences, "sequences") || intern(&s__last, "_last") ||
+        intern(&s__seed, "_seed") || intern(&s_block_size, "block_size") ||
+        capture_originals() < 0 || capture_send_originals() < 0)
         return NULL;
     PyObject *array = PyImport_ImportModule("array");
     if (array == NULL)

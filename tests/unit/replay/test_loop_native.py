@@ -26,6 +26,7 @@ from dynamo.replay.report import routing_rows
 from dynamo.replay.run import run_replay
 from dynamo.router.config import KVRouterSettings
 from dynamo.router.core import RoutingCore
+from dynamo.router.hashing import SharedPrefixHasher
 from tests.unit.replay.simulations import simulation
 
 
@@ -178,6 +179,8 @@ def test_same_outcome_when_workers_refuse_requests(
         (0, Scheduler, "has_work"),
         (0, RoutingCore, "apply_events"),
         (0, RoutingCore, "prefill_completed"),
+        (0, Scheduler, "enqueue"),  # ... and the send's
+        (0, SharedPrefixHasher, "hashes"),
     ],
 )
 def test_a_callbacks_error_comes_out(
