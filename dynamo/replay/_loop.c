@@ -85,6 +85,7 @@ typedef struct {
      * classes found to have those methods unchanged (strong, NULL until one is met). */
     PyObject *kernel, *mark, *free_fn;
     PyObject *sched_type, *core_type;
+    PyObject *fields; /* each plain scheduler's fields a pass reads (``sched_fields``) */
 } Loop;
 
 /* obj.name(args...) with a vectorcall; a new reference or NULL. */
@@ -236,43 +237,60 @@ apply_events(Loop *L, PyObject *core, PyObject *wid, PyObject *events)
     return rc;
 }
 
+/* A plain scheduler's fields a pass reads, in ``Scheduler.mock_pass``'s argument order then
+ * the sampler's settings and the timing model: ``_running``, ``_waiting``, ``_requests``,
+ * ``kv``, ``config``, ``transfer_seconds`` (bound), ``_vocab_size``, ``_excluded``, ``timing``.
+ * Read once a run (a scheduler assigns them in its ``__init__`` only and changes the queues in
+ * place): a borrowed 9-tuple, or NULL with an exception. */
+enum { SF_RUNNING, SF_WAITING, SF_REQUESTS, SF_KV, SF_CONFIG, SF_TRANSFER, SF_VOCAB, SF_EXCLUDED,
+       SF_TIMING, SF_N };
+static PyObject *
+sched_fields(Loop *L, PyObject *sched)
+{
+    PyObject *t = PyDict_GetItemWithError(L->fields, sched);
+    if (t != NULL || PyErr_Occurred())
+        return t;
+    PyObject *const names[SF_N] = {s__running, s__waiting,  s__requests, s_kv,    s_config,
+                                   s_transfer_seconds, s_vocab_size, s_excluded, s_timing};
+    if ((t = PyTuple_New(SF_N)) == NULL)
+        return NULL;
+    for (int k = 0; k < SF_N; k++) {
+        PyObject *v = PyObject_GetAttr(sched, names[k]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, v);
+    }
+    int rc = PyDict_SetItem(L->fields, sched, t);
+    Py_DECREF(t); /* the table holds it */
+    return rc < 0 ? NULL : t;
+}
+
 /* The truth of ``sched.has_work``: ``Scheduler``'s ``bool(self._requests)`` when plain. */
 static int
 has_work(Loop *L, PyObject *sched)
 {
     if (!plain_sched(L, sched))
         return attr_true(sched, s_has_work);
-    PyObject *requests = PyObject_GetAttr(sched, s__requests);
-    if (requests == NULL)
-        return -1;
-    int t = PyObject_IsTrue(requests);
-    Py_DECREF(requests);
-    return t;
+    PyObject *fields = sched_fields(L, sched);
+    return fields == NULL ? -1 : PyObject_IsTrue(PyTuple_GET_ITEM(fields, SF_REQUESTS));
 }
 
-/* ``sched.mock_pass(now, vocab, excluded)``; a plain ``Scheduler``'s body: its kernel called
- * with the scheduler's queues, KV manager, config and ``transfer_seconds``. */
+/* ``sched.mock_pass(now, vocab, excluded)``; a plain ``Scheduler``'s body (``fields`` not NULL,
+ * its ``sched_fields``): its kernel called with the scheduler's queues, KV manager, config and
+ * ``transfer_seconds``. */
 static PyObject *
-mock_pass_of(Loop *L, PyObject *sched, PyObject *vocab, PyObject *excluded)
+mock_pass_of(Loop *L, PyObject *sched, PyObject *fields, PyObject *vocab, PyObject *excluded)
 {
-    if (!plain_sched(L, sched)) {
+    if (fields == NULL) {
         PyObject *args[3] = {L->now, vocab, excluded};
         return call_method(sched, s_mock_pass, args, 3);
     }
-    PyObject *a[9] = {NULL, NULL, NULL, NULL, NULL, L->now, NULL, vocab, excluded};
-    PyObject *const names[5] = {s__running, s__waiting, s__requests, s_kv, s_config};
-    PyObject *out = NULL;
-    for (int k = 0; k < 5; k++)
-        if ((a[k] = PyObject_GetAttr(sched, names[k])) == NULL)
-            goto end;
-    if ((a[6] = PyObject_GetAttr(sched, s_transfer_seconds)) == NULL)
-        goto end;
-    out = PyObject_Vectorcall(L->kernel, a, 9, NULL);
-end:
-    for (int k = 0; k < 5; k++)
-        Py_XDECREF(a[k]);
-    Py_XDECREF(a[6]);
-    return out;
+    PyObject *const *f = &PyTuple_GET_ITEM(fields, 0);
+    PyObject *a[9] = {f[SF_RUNNING], f[SF_WAITING], f[SF_REQUESTS], f[SF_KV], f[SF_CONFIG],
+                      L->now,        f[SF_TRANSFER], vocab,         excluded};
+    return PyObject_Vectorcall(L->kernel, a, 9, NULL);
 }
 
 /* queue.push(when, kind, order, rank) (``order`` stolen). */
@@ -382,11 +400,19 @@ pass_start(Loop *L, PyObject *rank)
     int rc = -1;
     PyObject *sched = dyn_slots_get(&rank_slots, rank, RK_SCHED), *out = NULL, *ready = NULL;
     PyObject *passes = NULL, *when = NULL, *duration = NULL, *vocab = NULL, *excluded = NULL;
-    PyObject *timing = NULL;
-    if (sched == NULL || (vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
-        (excluded = PyObject_GetAttr(sched, s_excluded)) == NULL)
+    PyObject *timing = NULL, *fields = NULL;
+    if (sched == NULL)
         goto end;
-    if ((out = mock_pass_of(L, sched, vocab, excluded)) == NULL)
+    if (plain_sched(L, sched)) { /* its fields read once a run */
+        if ((fields = sched_fields(L, sched)) == NULL)
+            goto end;
+        vocab = Py_NewRef(PyTuple_GET_ITEM(fields, SF_VOCAB));
+        excluded = Py_NewRef(PyTuple_GET_ITEM(fields, SF_EXCLUDED));
+    }
+    else if ((vocab = PyObject_GetAttr(sched, s_vocab_size)) == NULL ||
+             (excluded = PyObject_GetAttr(sched, s_excluded)) == NULL)
+        goto end;
+    if ((out = mock_pass_of(L, sched, fields, vocab, excluded)) == NULL)
         goto end;
     if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != 7) {
         PyErr_SetString(PyExc_TypeError, "mock_pass returns a 7-tuple");
@@ -414,7 +440,9 @@ pass_start(Loop *L, PyObject *rank)
         rc = 0;
         goto end;
     }
-    if ((timing = PyObject_GetAttr(sched, s_timing)) == NULL ||
+    timing = fields != NULL ? Py_NewRef(PyTuple_GET_ITEM(fields, SF_TIMING))
+                            : PyObject_GetAttr(sched, s_timing);
+    if (timing == NULL ||
         (duration = timed(timing, prefill, PyTuple_GET_ITEM(out, 3), decodes)) == NULL ||
         (passes = dyn_slots_get(&rank_slots, rank, RK_PASSES)) == NULL)
         goto end;
@@ -839,14 +867,17 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Loop L = {args[0], args[1], args[2], args[3], args[4], args[5], NULL, NULL, 0, NULL, NULL,
-              NULL, NULL, NULL, NULL, NULL};
+              NULL, NULL, NULL, NULL, NULL, NULL};
     if ((L.by_id = PyObject_GetAttrString(L.sim, "_by_id")) == NULL)
         return NULL;
     if ((L.now = PyObject_GetAttr(L.sim, s_now)) == NULL) {
         Py_DECREF(L.by_id);
         return NULL;
     }
-    int rc = ended_placeholders(&L) < 0 || direct_calls(&L) < 0 ? -1 : 0;
+    int rc = ended_placeholders(&L) < 0 || direct_calls(&L) < 0 ||
+                     (L.fields = PyDict_New()) == NULL
+                 ? -1
+                 : 0;
     for (; rc == 0;) {
         Py_ssize_t queued = PyObject_Length(L.queue), waiting = PyObject_Length(L.timeouts);
         if (queued < 0 || waiting < 0) {
@@ -872,6 +903,7 @@ run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(L.free_fn);
     Py_XDECREF(L.sched_type);
     Py_XDECREF(L.core_type);
+    Py_XDECREF(L.fields);
     return rc < 0 ? NULL : PyLong_FromLongLong(L.events);
 }
 
