@@ -28,6 +28,7 @@
 
 #include "../_slots.h"
 #include "../_u64.h"
+#include "_frozen.h"
 #include "_kv_api.h"
 
 /* XXH3-64, the block hash (router/_hash.c's vendored reference implementation, the algorithm
@@ -1229,19 +1230,6 @@ static PyObject *limits_of;
 static Py_ssize_t limits_batched, limits_bs, limits_seqs;
 static int limits_chunked, limits_caching, limits_lifo;
 
-/* 1 if ``config`` is an instance of a frozen dataclass, 0 if not (no error) */
-static int
-frozen_dataclass(PyObject *config)
-{
-    PyObject *params = PyObject_GetAttrString((PyObject *)Py_TYPE(config), "__dataclass_params__");
-    PyObject *frozen = params ? PyObject_GetAttrString(params, "frozen") : NULL;
-    int t = frozen ? PyObject_IsTrue(frozen) : 0;
-    Py_XDECREF(params);
-    Py_XDECREF(frozen);
-    PyErr_Clear();
-    return t > 0;
-}
-
 /* The pass's limits from ``config`` into ``ps``: 0, or -1 with the error. */
 static int
 read_limits(PyObject *config, Pass *ps)
@@ -1266,7 +1254,7 @@ read_limits(PyObject *config, Pass *ps)
         return -1;
     ps->lifo = PyUnicode_Check(mode) && PyUnicode_CompareWithASCIIString(mode, "lifo") == 0;
     Py_DECREF(mode);
-    if (frozen_dataclass(config)) {
+    if (dyn_frozen_dataclass(config)) {
         Py_XSETREF(limits_of, Py_NewRef(config));
         limits_batched = ps->max_batched, limits_bs = ps->bs, limits_seqs = ps->max_seqs;
         limits_chunked = ps->chunked, limits_caching = ps->caching, limits_lifo = ps->lifo;

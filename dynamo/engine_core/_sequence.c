@@ -26,6 +26,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "_frozen.h"
+
 #define MAX_SLOTS 64
 #define SEQUENCE_FIELDS 28 /* the Sequence's, in order (sequence.py) */
 
@@ -185,6 +187,67 @@ config_int(PyObject *config, PyObject *name, long long *out, PyObject **obj)
     return 1;
 }
 
+/* The config's limits a request is checked against. */
+typedef struct {
+    long long max_len, bs, num_blocks, max_batched; /* max_batched: read when not chunked */
+    PyObject *bs_obj; /* block_size's object (strong) */
+    int prefill, decode, chunked;
+} Limits;
+
+/* The last config whose limits were read, when it is a frozen dataclass (the mocker's
+ * ``MockerConfig``, the replay's): held, so its identity says its values, which are then not
+ * read again a request (five or six attribute lookups). Any other config is read every call. */
+static PyObject *limits_of;
+static Limits limits_kept;
+
+/* ``config``'s limits into *l (``l->bs_obj`` a new reference): 1; 0 when one is not what the
+ * C path reads (the Python path decides, and raises what it raises). */
+static int
+read_limits(PyObject *config, Limits *l)
+{
+    if (config == limits_of) {
+        *l = limits_kept;
+        Py_INCREF(l->bs_obj);
+        return 1;
+    }
+    l->bs_obj = NULL;
+    if (!config_int(config, a_max_model_len, &l->max_len, NULL) ||
+        !config_int(config, a_block_size, &l->bs, &l->bs_obj) ||
+        !config_int(config, a_num_gpu_blocks, &l->num_blocks, NULL) || l->bs < 1)
+        goto python;
+    PyObject *mode = PyObject_GetAttr(config, a_disaggregation_mode);
+    if (mode == NULL) {
+        PyErr_Clear();
+        goto python;
+    }
+    int text = PyUnicode_CheckExact(mode);
+    l->prefill = text && PyUnicode_CompareWithASCIIString(mode, "prefill") == 0;
+    l->decode = text && PyUnicode_CompareWithASCIIString(mode, "decode") == 0;
+    Py_DECREF(mode);
+    if (!text)
+        goto python;
+    PyObject *chunked = PyObject_GetAttr(config, a_enable_chunked_prefill);
+    l->chunked = chunked == NULL ? -1 : PyObject_IsTrue(chunked);
+    Py_XDECREF(chunked);
+    if (l->chunked < 0) {
+        PyErr_Clear();
+        goto python;
+    }
+    l->max_batched = 0;
+    if (!l->chunked && !config_int(config, a_max_num_batched_tokens, &l->max_batched, NULL))
+        goto python;
+    if (dyn_frozen_dataclass(config)) {
+        Py_XDECREF(limits_kept.bs_obj);
+        Py_XSETREF(limits_of, Py_NewRef(config));
+        limits_kept = *l;
+        Py_INCREF(limits_kept.bs_obj);
+    }
+    return 1;
+python:
+    Py_CLEAR(l->bs_obj);
+    return 0;
+}
+
 /* An exact int argument's value: 1, or 0 for anything else. */
 static int
 exact_int(PyObject *v, long long *out)
@@ -236,25 +299,18 @@ static int
 compute(PyObject *const *args, PyObject *const *kw, PyObject **v)
 {
     PyObject *config = args[0], *tokens = args[1], *rid = args[2], *now = args[3];
-    PyObject *bs_obj = NULL, *mode = NULL, *hashes = kw[K_HASHES], *local = NULL, *chained = NULL;
-    long long max_len, bs, num_blocks, max_tokens, min_tokens, max_batched;
+    PyObject *bs_obj = NULL, *hashes = kw[K_HASHES], *local = NULL, *chained = NULL;
+    long long max_tokens, min_tokens;
     int rc = 0;
     Py_ssize_t isl = prompt_len(tokens);
     PyObject *seed_id = kw[K_SEED_ID];
+    Limits lim;
     if (isl < 1 || !PyUnicode_CheckExact(rid) ||
-        (seed_id != Py_None && !PyUnicode_CheckExact(seed_id)) ||
-        !config_int(config, a_max_model_len, &max_len, NULL) ||
-        !config_int(config, a_block_size, &bs, &bs_obj) ||
-        !config_int(config, a_num_gpu_blocks, &num_blocks, NULL) || bs < 1)
+        (seed_id != Py_None && !PyUnicode_CheckExact(seed_id)) || !read_limits(config, &lim))
         goto done; /* a list or packed prompt only: anything else is copied by the Python path */
-    if ((mode = PyObject_GetAttr(config, a_disaggregation_mode)) == NULL) {
-        PyErr_Clear();
-        goto done;
-    }
-    if (!PyUnicode_CheckExact(mode))
-        goto done;
-    int prefill = PyUnicode_CompareWithASCIIString(mode, "prefill") == 0;
-    int decode = PyUnicode_CompareWithASCIIString(mode, "decode") == 0;
+    bs_obj = lim.bs_obj;
+    long long max_len = lim.max_len, bs = lim.bs, num_blocks = lim.num_blocks;
+    int prefill = lim.prefill, decode = lim.decode;
     long long room = max_len - (long long)isl;
     PyObject *max_obj = kw[K_MAX_TOKENS], *min_obj = kw[K_MIN_TOKENS];
     if (prefill) {
@@ -275,15 +331,7 @@ compute(PyObject *const *args, PyObject *const *kw, PyObject **v)
     long long kv_tokens = (long long)isl + max_tokens - 1;
     if ((kv_tokens + bs - 1) / bs > num_blocks)
         goto done;
-    PyObject *chunked = PyObject_GetAttr(config, a_enable_chunked_prefill);
-    int on = chunked == NULL ? -1 : PyObject_IsTrue(chunked);
-    Py_XDECREF(chunked);
-    if (on < 0) {
-        PyErr_Clear();
-        goto done;
-    }
-    if (!on && (!config_int(config, a_max_num_batched_tokens, &max_batched, NULL) ||
-                (long long)isl > max_batched))
+    if (!lim.chunked && (long long)isl > lim.max_batched)
         goto done;
     /* hashes handed over when they cover the prompt's complete blocks */
     if (hashes != Py_None) {
@@ -373,7 +421,6 @@ compute(PyObject *const *args, PyObject *const *kw, PyObject **v)
     rc = 1;
 done:
     Py_XDECREF(bs_obj);
-    Py_XDECREF(mode);
     Py_XDECREF(local);
     Py_XDECREF(chained);
     if (rc <= 0) {

@@ -228,3 +228,45 @@ def test_build_sets_the_slots_in_order(native: ModuleType, module: str) -> None:
         with pytest.raises(TypeError, match="plain object slots"):
             impl.build(cls, (1,))
     assert impl.build(Point, (5, [], "p")).label == "p"  # after a refused class
+
+
+@dataclass(frozen=True)
+class FrozenLimits:
+    """A frozen config: the native new_sequence keeps the limits it read while it holds one."""
+
+    disaggregation_mode: str = "agg"
+    block_size: int = 4
+    num_gpu_blocks: int = 4096
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 10_000
+
+    @property
+    def total_kv_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+
+def test_a_config_is_read_again_unless_it_is_the_same_frozen_one(native: ModuleType) -> None:
+    """Frozen configs of other limits, in turn: each call is checked against its own; a mutable
+    config is read every call, so a change to it shows in the next."""
+    tokens = list(range(100, 140))
+    configs = [
+        FrozenLimits(),
+        FrozenLimits(max_model_len=40),  # no room in the context
+        FrozenLimits(),
+        FrozenLimits(num_gpu_blocks=10),  # beyond the KV pool
+        FrozenLimits(enable_chunked_prefill=False, max_num_batched_tokens=39),
+        FrozenLimits(disaggregation_mode="prefill"),
+        FrozenLimits(block_size=8),
+    ]
+    outcomes = []
+    for config in configs + configs[::-1]:
+        got, want = both(lambda f: f(config, tokens, "r", 0.0, max_tokens=8), native)  # noqa: B023
+        assert got == want
+        outcomes.append(want[0])
+    assert InvalidArgument in outcomes and ("request_id", "r") in outcomes  # refused, built
+    cfg = Limits("agg", 4)
+    for room in (10_000, 40, 10_000):
+        cfg.max_model_len = room
+        got, want = both(lambda f: f(cfg, tokens, "r", 0.0, max_tokens=8), native)
+        assert got == want and (want[0] is InvalidArgument) == (room == 40)
