@@ -85,7 +85,7 @@ typedef struct {
      * classes found to have those methods unchanged (strong, NULL until one is met). */
     PyObject *kernel, *mark, *free_fn;
     PyObject *sched_type, *core_type;
-    PyObject *fields; /* each plain scheduler's fields a pass reads (``sched_fields``) */
+    PyObject *fields; /* each plain scheduler's and core's fields read (``sched_fields``) */
 } Loop;
 
 /* obj.name(args...) with a vectorcall; a new reference or NULL. */
@@ -190,27 +190,48 @@ plain_core(Loop *L, PyObject *core)
     return 1;
 }
 
-/* ``fn(core.sequences, request_id)``: ``RoutingCore.prefill_completed`` / ``free``'s body. */
+/* A plain router core's fields its thin methods read: ``sequences``, ``indexer`` and the
+ * indexer's ``apply_in_order`` (None without an indexer). Read once a run (a core and its
+ * indexer assign them in their ``__init__`` only): a borrowed 3-tuple, or NULL with an
+ * exception. */
+enum { CF_SEQUENCES, CF_INDEXER, CF_APPLIER, CF_N };
 static PyObject *
-on_sequences(PyObject *fn, PyObject *core, PyObject *rid)
+core_fields(Loop *L, PyObject *core)
 {
-    PyObject *seqs = PyObject_GetAttr(core, s_sequences);
-    if (seqs == NULL)
+    PyObject *t = PyDict_GetItemWithError(L->fields, core);
+    if (t != NULL || PyErr_Occurred())
+        return t;
+    PyObject *seqs = PyObject_GetAttr(core, s_sequences), *indexer = NULL, *applier = NULL;
+    if (seqs == NULL || (indexer = PyObject_GetAttr(core, s_indexer)) == NULL ||
+        (applier = indexer == Py_None ? Py_NewRef(Py_None)
+                                      : PyObject_GetAttr(indexer, s_apply_in_order)) == NULL ||
+        (t = PyTuple_Pack(CF_N, seqs, indexer, applier)) == NULL) {
+        Py_XDECREF(seqs);
+        Py_XDECREF(indexer);
+        Py_XDECREF(applier);
         return NULL;
-    PyObject *args[2] = {seqs, rid};
-    PyObject *r = PyObject_Vectorcall(fn, args, 2, NULL);
+    }
     Py_DECREF(seqs);
-    return r;
+    Py_DECREF(indexer);
+    Py_DECREF(applier);
+    int rc = PyDict_SetItem(L->fields, core, t);
+    Py_DECREF(t); /* the table holds it */
+    return rc < 0 ? NULL : t;
 }
 
 /* ``core.prefill_completed(rid)`` / ``core.free(rid)`` (``name``), without the method's frame
- * when ``core`` is a plain ``RoutingCore``: 0, or -1 with an exception. */
+ * when ``core`` is a plain ``RoutingCore``: ``fn(core.sequences, rid)``, its body. 0, or -1
+ * with an exception. */
 static int
 core_call(Loop *L, PyObject *core, PyObject *name, PyObject *fn, PyObject *rid)
 {
-    if (plain_core(L, core))
-        return done(on_sequences(fn, core, rid));
-    return done(call_method(core, name, &rid, 1));
+    if (!plain_core(L, core))
+        return done(call_method(core, name, &rid, 1));
+    PyObject *fields = core_fields(L, core);
+    if (fields == NULL)
+        return -1;
+    PyObject *args[2] = {PyTuple_GET_ITEM(fields, CF_SEQUENCES), rid};
+    return done(PyObject_Vectorcall(fn, args, 2, NULL));
 }
 
 /* ``core.apply_events(worker_id, events)``; a plain ``RoutingCore``'s body for a raw buffer:
@@ -221,20 +242,16 @@ apply_events(Loop *L, PyObject *core, PyObject *wid, PyObject *events)
     PyObject *args[2] = {wid, events};
     if (!PyBytes_Check(events) || !plain_core(L, core))
         return done(call_method(core, s_apply_events, args, 2));
-    PyObject *indexer = PyObject_GetAttr(core, s_indexer), *applier = NULL;
-    if (indexer == NULL)
+    PyObject *fields = core_fields(L, core);
+    if (fields == NULL)
         return -1;
-    int rc = 0;
-    if (indexer != Py_None) {
-        applier = PyObject_GetAttr(indexer, s_apply_in_order);
-        PyObject *r = applier == NULL ? NULL : PyObject_Vectorcall(applier, args, 2, NULL);
-        int applied = r == NULL ? -1 : PyObject_IsTrue(r);
-        Py_XDECREF(r);
-        rc = applied < 0 ? -1 : applied ? 0 : done(call_method(indexer, s_apply_raw, args, 2));
-    }
-    Py_DECREF(indexer);
-    Py_XDECREF(applier);
-    return rc;
+    PyObject *indexer = PyTuple_GET_ITEM(fields, CF_INDEXER);
+    if (indexer == Py_None)
+        return 0;
+    PyObject *r = PyObject_Vectorcall(PyTuple_GET_ITEM(fields, CF_APPLIER), args, 2, NULL);
+    int applied = r == NULL ? -1 : PyObject_IsTrue(r);
+    Py_XDECREF(r);
+    return applied < 0 ? -1 : applied ? 0 : done(call_method(indexer, s_apply_raw, args, 2));
 }
 
 /* A plain scheduler's fields a pass reads, in ``Scheduler.mock_pass``'s argument order then
