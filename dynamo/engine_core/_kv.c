@@ -207,7 +207,7 @@ map_get(const KV *kv, uint64_t key)
 }
 
 /* key must be absent; the table never fills (capacity >= 2 * num_blocks) */
-static void
+static inline void
 map_put(KV *kv, uint64_t key, int32_t slot)
 {
     size_t home = (size_t)mix64(key) & kv->mask, i = home;
@@ -258,7 +258,7 @@ find(const KV *kv, PyObject *obj)
 
 /* ---- the LRU (inactive blocks; head: least recently used) ----------------------------- */
 
-static void
+static inline void
 lru_append(KV *kv, int32_t s)
 {
     Entry *e = &kv->e[s];
@@ -272,7 +272,7 @@ lru_append(KV *kv, int32_t s)
     kv->n_inactive++;
 }
 
-static void
+static inline void
 lru_remove(KV *kv, int32_t s)
 {
     Entry *e = &kv->e[s];
@@ -695,7 +695,7 @@ KV_num_slots_needed(KV *kv, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- mutations ------------------------------------------------------------------------ */
 
-static void
+static inline void
 store_full(KV *kv, int32_t s, uint64_t h, uint8_t neg, uint64_t lk, uint8_t lneg, int silent)
 {
     Entry *e = &kv->e[s];

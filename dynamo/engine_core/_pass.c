@@ -793,20 +793,28 @@ typedef struct {
                       * its planning and the count, but a preemption, which removes it) */
     Py_ssize_t *ntok, *computed; /* its tokens and computed tokens as planned (the same) */
     Py_ssize_t len, cap;
+    int heap; /* the arrays are a heap block (else ``first``) */
+    /* the caller's room for the first PLAN_FIRST entries' arrays (on its stack: a pass of the
+     * replay runs ~8 sequences, so no allocation and free a pass), or NULL */
+    Py_ssize_t *first;
 } Plan;
 
-/* The plan's five arrays in one block (``seq``'s start), doubled when full: one allocation and
- * one free a pass where there were five of each. 0, or -1 with MemoryError (nothing changed). */
+#define PLAN_FIRST 16
+
+/* The plan's five arrays in one block (``seq``'s start): ``first`` for the first PLAN_FIRST
+ * entries, then a heap block doubled when full. 0, or -1 with MemoryError (nothing changed). */
 static int
 plan_grow(Plan *p)
 {
     const size_t entry = sizeof(PyObject *) + 4 * sizeof(Py_ssize_t);
-    Py_ssize_t cap = p->cap ? 2 * p->cap : 16;
+    Py_ssize_t cap = p->cap ? 2 * p->cap : PLAN_FIRST;
     if ((size_t)cap > PY_SSIZE_T_MAX / entry) {
         PyErr_NoMemory();
         return -1;
     }
-    PyObject **seq = PyMem_Malloc((size_t)cap * entry);
+    _Static_assert(sizeof(PyObject *) == sizeof(Py_ssize_t), "an entry is five words");
+    PyObject **seq = p->cap == 0 && p->first != NULL ? (PyObject **)p->first
+                                                      : PyMem_Malloc((size_t)cap * entry);
     if (seq == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -821,7 +829,9 @@ plan_grow(Plan *p)
         memcpy(ntok, p->ntok, len * sizeof *ntok);
         memcpy(computed, p->computed, len * sizeof *computed);
     }
-    PyMem_Free(p->seq);
+    if (p->heap)
+        PyMem_Free(p->seq);
+    p->heap = (void *)seq != (void *)p->first;
     p->seq = seq, p->n = n, p->ctx = ctx, p->ntok = ntok, p->computed = computed;
     p->cap = cap;
     return 0;
@@ -860,7 +870,8 @@ plan_free(Plan *p)
 {
     for (Py_ssize_t i = 0; i < p->len; i++)
         Py_DECREF(p->seq[i]);
-    PyMem_Free(p->seq); /* the block of all five (plan_grow) */
+    if (p->heap)
+        PyMem_Free(p->seq); /* the block of all five (plan_grow) */
 }
 
 typedef struct {
@@ -1333,6 +1344,8 @@ schedule_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Pass ps = {0};
+    Py_ssize_t first[PLAN_FIRST * 5]; /* the plan's first arrays (plan_grow) */
+    ps.plan.first = first;
     Py_ssize_t figures[3];
     PyObject *entries = NULL, *result = NULL;
     if (schedule_into(args, &ps, figures) < 0 || (entries = PyList_New(ps.plan.len)) == NULL)
@@ -1742,6 +1755,8 @@ mock_pass(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *running = args[0], *waiting = args[1], *requests = args[2], *kv = args[3];
     PyObject *sargs[6] = {running, waiting, kv, args[4], args[5], args[6]};
     Pass ps = {0};
+    Py_ssize_t first[PLAN_FIRST * 5]; /* the plan's first arrays (plan_grow) */
+    ps.plan.first = first;
     Py_ssize_t figures[3];
     unsigned long long vocab;
     PyObject *sampled = NULL, *applied = NULL, *result = NULL;
