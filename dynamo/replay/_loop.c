@@ -945,6 +945,10 @@ typedef struct {
      * ``_last`` table, block size, seed and the two hash functions it calls); NULL: called */
     PyObject *last, *block_size, *seed, *plain_pair, *pair_after;
     PyObject *sched_type; /* a scheduler class whose ``enqueue`` is Scheduler's (strong) */
+    PyObject *queues;     /* each such scheduler's (_requests, _waiting), read once */
+    /* the last load generator seen (a weak reference: it holds this sender) and its
+     * ``load.timeout_s`` */
+    PyObject *phase, *timeout;
 } Sender;
 
 static PyObject *s_flights, *s_send, *s_hashes, *s_route, *s_worker_id, *s_dp_rank,
@@ -1018,21 +1022,28 @@ enqueue(Sender *S, PyObject *sched, PyObject *seq, PyObject *rid)
     }
     if (type != S->sched_type)
         return done(call_method(sched, s_enqueue, &seq, 1));
-    PyObject *requests = PyObject_GetAttr(sched, s__requests), *waiting = NULL;
-    int rc = -1;
-    if (requests == NULL)
-        return -1;
-    int known = PyDict_Check(requests) ? PyDict_Contains(requests, rid) : 1;
-    if (known != 0) { /* a duplicate (or an unusual table): the method decides */
-        Py_DECREF(requests);
-        return known < 0 ? -1 : done(call_method(sched, s_enqueue, &seq, 1));
+    /* its queues, read once (a scheduler assigns them in its __init__ only) */
+    PyObject *q = PyDict_GetItemWithError(S->queues, sched);
+    if (q == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        PyObject *requests = PyObject_GetAttr(sched, s__requests), *waiting = NULL;
+        if (requests != NULL && (waiting = PyObject_GetAttr(sched, s__waiting)) != NULL)
+            q = PyTuple_Pack(2, requests, waiting);
+        Py_XDECREF(requests);
+        Py_XDECREF(waiting);
+        int r = q == NULL ? -1 : PyDict_SetItem(S->queues, sched, q);
+        Py_XDECREF(q); /* the table holds it */
+        if (r < 0)
+            return -1;
     }
-    if (PyDict_SetItem(requests, rid, seq) == 0 &&
-        (waiting = PyObject_GetAttr(sched, s__waiting)) != NULL)
-        rc = done(call_method(waiting, s_append, &seq, 1));
-    Py_DECREF(requests);
-    Py_XDECREF(waiting);
-    return rc;
+    PyObject *requests = PyTuple_GET_ITEM(q, 0), *waiting = PyTuple_GET_ITEM(q, 1);
+    int known = PyDict_Check(requests) ? PyDict_Contains(requests, rid) : 1;
+    if (known != 0) /* a duplicate (or an unusual table): the method decides */
+        return known < 0 ? -1 : done(call_method(sched, s_enqueue, &seq, 1));
+    if (PyDict_SetItem(requests, rid, seq) < 0)
+        return -1;
+    return done(call_method(waiting, s_append, &seq, 1));
 }
 
 /* The hasher's and the scheduler's methods as defined (module import): 0 or -1. */
@@ -1194,10 +1205,21 @@ sender_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwna
         goto end;
     PyObject *fargs[7] = {index, rid, record, spec, runner, load, prompt};
     if ((flight = PyObject_Vectorcall(S->flight_type, fargs, 7, NULL)) == NULL ||
-        PyList_Append(flights, flight) < 0 || PyDict_SetItem(S->by_id, rid, flight) < 0 ||
-        (phase = PyObject_GetAttr(load, s_load)) == NULL ||
-        (timeout = PyObject_GetAttr(phase, s_timeout_s)) == NULL)
+        PyList_Append(flights, flight) < 0 || PyDict_SetItem(S->by_id, rid, flight) < 0)
         goto end;
+    if (S->phase == NULL || PyWeakref_GET_OBJECT(S->phase) != load) {
+        /* a generator's load (a LoadSpec) is its own: read once a generator */
+        PyObject *ref = NULL;
+        if ((phase = PyObject_GetAttr(load, s_load)) == NULL ||
+            (timeout = PyObject_GetAttr(phase, s_timeout_s)) == NULL)
+            goto end;
+        if ((ref = PyWeakref_NewRef(load, NULL)) == NULL)
+            PyErr_Clear(); /* not weakly referable: read at each send */
+        Py_XSETREF(S->phase, ref);
+        Py_XSETREF(S->timeout, Py_NewRef(timeout));
+    }
+    else
+        timeout = Py_NewRef(S->timeout);
     if (timeout != Py_None) { /* the request's deadline */
         PyObject *when = PyNumber_Add(now, timeout);
         PyObject *pair = when == NULL ? NULL : PyTuple_Pack(2, when, flight);
@@ -1253,6 +1275,9 @@ sender_traverse(Sender *S, visitproc visit, void *arg)
     Py_VISIT(S->plain_pair);
     Py_VISIT(S->pair_after);
     Py_VISIT(S->sched_type);
+    Py_VISIT(S->queues);
+    Py_VISIT(S->phase);
+    Py_VISIT(S->timeout);
     return 0;
 }
 
@@ -1279,6 +1304,9 @@ sender_clear(Sender *S)
     Py_CLEAR(S->plain_pair);
     Py_CLEAR(S->pair_after);
     Py_CLEAR(S->sched_type);
+    Py_CLEAR(S->queues);
+    Py_CLEAR(S->phase);
+    Py_CLEAR(S->timeout);
     return 0;
 }
 
@@ -1359,6 +1387,11 @@ sender(PyObject *module, PyObject *sim)
     S->counter = S->record_type = S->flight_type = S->routing_type = NULL;
     S->new_sequence = S->dynamo_error = NULL;
     S->last = S->block_size = S->seed = S->plain_pair = S->pair_after = S->sched_type = NULL;
+    S->phase = S->timeout = NULL;
+    if ((S->queues = PyDict_New()) == NULL) {
+        Py_DECREF(S);
+        return NULL;
+    }
     PyObject_GC_Track(S);
     PyObject *pool = NULL, *m = NULL;
     int rc = -1;
