@@ -657,7 +657,9 @@ extend_field(PyObject *seq, int f, PyObject *items)
     if (list == NULL)
         return -1;
     int rc;
-    if (PyList_Check(list)) {
+    if (PyList_CheckExact(list) && PyList_CheckExact(items) && PyList_GET_SIZE(items) == 1) {
+        rc = PyList_Append(list, PyList_GET_ITEM(items, 0)); /* a decode's one new block */
+    } else if (PyList_Check(list)) {
         Py_ssize_t end = PyList_GET_SIZE(list);
         rc = PyList_SetSlice(list, end, end, items);
     } else {
@@ -1224,7 +1226,7 @@ tuple_of(Py_ssize_t n, PyObject *const *items, const Py_ssize_t *ints)
     if (t == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = items[i] ? Py_NewRef(items[i]) : PyLong_FromSsize_t(*ints++);
+        PyObject *v = items[i] ? Py_NewRef(items[i]) : count_int(*ints++);
         if (v == NULL) {
             Py_DECREF(t);
             return NULL;
