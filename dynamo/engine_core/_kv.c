@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_id_memo.h"
 #include "../_u64.h"
 #include "_kv_api.h"
 
@@ -1400,89 +1401,30 @@ static PyTypeObject KVType = {
 
 /* ---- the admission calls for C callers (_kv_api.h) ------------------------------------- */
 
-/* The last admitted chains, by their first hash object: its hash objects (strong references,
- * so that no other object can take an address while it is here) and their keys. A chain whose
- * leading hashes are the same objects as a memo's reads their keys instead of converting each
- * again: the offline replay's prompts of a prefix group share their leading hash objects
- * (``hashing.SharedPrefixHasher``), ~64 of a request's ~72 (router/_blocks.c's prefix keys and
- * router/_radix.c's walk keep the same kind of memo). Identity only: an int never changes, so
- * the same object has the same key; anything else is converted, as before. */
-#define MEMO_WAYS 128
+/* The last admitted chains' keys, by their leading hash objects (``dynamo/_id_memo.h``: the
+ * offline replay's prompts of a prefix group share ~64 of their ~72 hash objects); the flag is
+ * a key's sign. */
+#define MEMO_BITS 7
 
-typedef struct {
-    Py_ssize_t n, cap;
-    PyObject **items; /* strong */
-    uint64_t *keys;
-    uint8_t *negs; /* only converted keys are kept (``ok``) */
-} KeyMemo;
-
-static KeyMemo key_memo[MEMO_WAYS];
-
-static void
-memo_drop(KeyMemo *m, Py_ssize_t from)
-{
-    for (Py_ssize_t k = from; k < m->n; k++)
-        Py_DECREF(m->items[k]);
-    m->n = from < m->n ? from : m->n;
-}
+static IdMemo key_memo[1 << MEMO_BITS];
 
 static void
 memo_clear(void *Py_UNUSED(module))
 {
-    for (int w = 0; w < MEMO_WAYS; w++) {
-        memo_drop(&key_memo[w], 0);
-        PyMem_Free(key_memo[w].items);
-        key_memo[w] = (KeyMemo){0, 0, NULL, NULL, NULL};
-    }
-}
-
-/* Keep items[:n] (whose keys are converted: their ``ok`` leads) as the memo ``m``, the first
- * ``same`` of which it holds already. Out of memory: it keeps what it has (no error). */
-static void
-memo_keep(KeyMemo *m, PyObject *const *items, const uint64_t *keys, const uint8_t *negs,
-          Py_ssize_t same, Py_ssize_t n)
-{
-    if (n > m->cap) { /* one block: the objects, the keys, the flags */
-        size_t entry = sizeof(PyObject *) + sizeof(uint64_t) + 1;
-        PyObject **a = PyMem_Malloc((size_t)n * entry);
-        if (a == NULL) {
-            PyErr_Clear();
-            n = m->n < n ? m->n : n;
-            same = same < n ? same : n;
-        } else {
-            uint64_t *k = (uint64_t *)(a + n);
-            uint8_t *g = (uint8_t *)(k + n);
-            if (m->n > 0) {
-                memcpy(a, m->items, (size_t)m->n * sizeof(PyObject *));
-                memcpy(k, m->keys, (size_t)m->n * sizeof(uint64_t));
-                memcpy(g, m->negs, (size_t)m->n);
-            }
-            PyMem_Free(m->items);
-            m->items = a, m->keys = k, m->negs = g, m->cap = n;
-        }
-    }
-    memo_drop(m, same);
-    for (Py_ssize_t i = same; i < n; i++) {
-        m->items[i] = Py_NewRef(items[i]);
-        m->keys[i] = keys[i];
-        m->negs[i] = negs[i];
-    }
-    m->n = n;
+    id_memo_clear(key_memo, 1 << MEMO_BITS);
 }
 
 static void
 api_keys_of(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs, uint8_t *ok)
 {
-    KeyMemo *m = NULL;
+    IdMemo *m = NULL;
     Py_ssize_t same = 0; /* leading items that are the memo's objects */
     if (n > 0) {
-        m = &key_memo[((uintptr_t)items[0] >> 4) * 0x9E3779B97F4A7C15ULL >> 57];
-        Py_ssize_t most = n < m->n ? n : m->n;
-        while (same < most && m->items[same] == items[same])
-            same++;
+        m = id_memo_way(key_memo, MEMO_BITS, items[0]);
+        same = id_memo_same(m, items, n);
         if (same > 0) {
             memcpy(keys, m->keys, (size_t)same * sizeof(uint64_t));
-            memcpy(negs, m->negs, (size_t)same);
+            memcpy(negs, m->flags, (size_t)same);
             memset(ok, 1, (size_t)same);
         }
     }
@@ -1496,7 +1438,7 @@ api_keys_of(PyObject *const *items, Py_ssize_t n, uint64_t *keys, uint8_t *negs,
             converted++;
     }
     if (m != NULL && converted > same) /* a prefix group's next prompt shares it */
-        memo_keep(m, items, keys, negs, same, converted);
+        id_memo_keep(m, items, keys, negs, same, converted);
 }
 
 static Py_ssize_t

@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_id_memo.h"
 #include "../_u64.h"
 
 typedef struct {
@@ -601,41 +602,17 @@ BlockCounts_remove_prefix_keys(BlockCounts *self, PyObject *keys)
     Py_RETURN_NONE;
 }
 
-/* The last prefix_key_bytes calls, by their first hash object: its hash objects (strong
- * references, so that no other object can take an address while it is here) and the keys
- * computed from them. A call whose leading hashes are the same objects as a memo's reads their
- * keys instead of converting and chaining each again: the offline replay's prompts of a prefix
- * group share their leading hash objects (``hashing.SharedPrefixHasher``), ~64 of a request's
- * ~72. Objects are compared by identity only: an int never changes, so the same object has the
- * same key; anything else is computed, as before. */
-#define MEMO_WAYS 32
+/* The last prefix_key_bytes calls' keys, by their leading hash objects (``dynamo/_id_memo.h``:
+ * the offline replay's prompts of a prefix group share ~64 of their ~72 hash objects); a key here
+ * is the position's chained prefix key. */
+#define MEMO_BITS 5
 
-typedef struct {
-    Py_ssize_t n, cap;
-    PyObject **items; /* strong */
-    uint64_t *keys;
-} KeyMemo;
-
-static KeyMemo key_memo[MEMO_WAYS];
-
-static void
-memo_drop(KeyMemo *m, Py_ssize_t from)
-{
-    for (Py_ssize_t k = from; k < m->n; k++) {
-        Py_DECREF(m->items[k]);
-    }
-    m->n = from < m->n ? from : m->n;
-}
+static IdMemo key_memo[1 << MEMO_BITS];
 
 static void
 memo_clear(void *Py_UNUSED(module))
 {
-    for (int w = 0; w < MEMO_WAYS; w++) {
-        memo_drop(&key_memo[w], 0);
-        PyMem_Free(key_memo[w].items);
-        PyMem_Free(key_memo[w].keys);
-        key_memo[w] = (KeyMemo){0, 0, NULL, NULL};
-    }
+    id_memo_clear(key_memo, 1 << MEMO_BITS);
 }
 
 /* prefix_key_bytes(hashes): the prefix key of each position, packed (native-endian uint64):
@@ -656,17 +633,13 @@ prefix_key_bytes(PyObject *module, PyObject *hashes)
     }
     char *data = PyBytes_AS_STRING(out);
     PyObject *const *items = PySequence_Fast_ITEMS(seq);
-    KeyMemo *m = NULL;
+    IdMemo *m = NULL;
     Py_ssize_t same = 0; /* leading hashes that are the memo's objects */
     if (n > 0) {
-        m = &key_memo[((uintptr_t)items[0] >> 4) * 0x9E3779B97F4A7C15ULL >> 59];
-        if (m->n > 0 && m->items[0] == items[0]) {
-            Py_ssize_t most = n < m->n ? n : m->n;
-            while (same < most && m->items[same] == items[same]) {
-                same++;
-            }
+        m = id_memo_way(key_memo, MEMO_BITS, items[0]);
+        same = id_memo_same(m, items, n);
+        if (same > 0)
             memcpy(data, m->keys, (size_t)same * sizeof(uint64_t));
-        }
     }
     uint64_t key, parent = same ? m->keys[same - 1] : 0;
     for (Py_ssize_t k = same; k < n; k++) {
@@ -679,26 +652,7 @@ prefix_key_bytes(PyObject *module, PyObject *hashes)
         memcpy(data + (size_t)k * sizeof(uint64_t), &parent, sizeof parent);
     }
     if (m != NULL) { /* this call becomes the memo (a prefix group's next prompt shares it) */
-        if (n > m->cap) {
-            PyObject **a = PyMem_Realloc(m->items, (size_t)n * sizeof(PyObject *));
-            if (a != NULL) {
-                m->items = a;
-            }
-            uint64_t *b = a == NULL ? NULL : PyMem_Realloc(m->keys, (size_t)n * sizeof(uint64_t));
-            if (b != NULL) {
-                m->keys = b;
-                m->cap = n;
-            }
-        }
-        memo_drop(m, same);
-        if (n <= m->cap) { /* else out of memory: the memo stays its leading `same` */
-            for (Py_ssize_t k = same; k < n; k++) {
-                m->items[k] = Py_NewRef(items[k]);
-            }
-            memcpy(m->keys + same, data + (size_t)same * sizeof(uint64_t),
-                   (size_t)(n - same) * sizeof(uint64_t));
-            m->n = n;
-        }
+        id_memo_keep(m, items, (const uint64_t *)data, NULL, same, n);
     }
     Py_DECREF(seq);
     return out;

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_id_memo.h"
 #include "../_u64.h"
 #include "_radix_api.h"
 
@@ -269,53 +270,10 @@ typedef struct {
     IdMap ids;
 } Slot;
 
-/* The keys of a recent find_matches query, by its first hash object: its hash objects (strong
- * references, so that no other object can take an address while it is here) and their keys. A
- * query whose leading hashes are the same objects reads their keys instead of converting each
- * again: the offline replay's prompts of a prefix group share their leading hash objects
- * (``hashing.SharedPrefixHasher``), ~64 of a request's ~72. Identity only: an int never
- * changes. (``_blocks.c`` keeps the same for the prefix keys.) */
-#define MEMO_WAYS 32
-
-typedef struct {
-    Py_ssize_t n, cap;
-    PyObject **items; /* strong */
-    uint64_t *keys;
-} KeyMemo;
-
-static inline KeyMemo *
-memo_way(KeyMemo *memo, PyObject *first)
-{
-    return &memo[((uintptr_t)first >> 4) * 0x9E3779B97F4A7C15ULL >> 59];
-}
-
-/* Keep the first `keep` items (fewer if it holds fewer). */
-static void
-memo_truncate(KeyMemo *m, Py_ssize_t keep)
-{
-    for (Py_ssize_t k = keep; k < m->n; k++)
-        Py_DECREF(m->items[k]);
-    if (keep < m->n)
-        m->n = keep;
-}
-
-/* Room for n items: 0, or -1 (no error set: the memo is only not extended). */
-static int
-memo_reserve(KeyMemo *m, Py_ssize_t n)
-{
-    if (n <= m->cap)
-        return 0;
-    PyObject **a = PyMem_Realloc(m->items, (size_t)n * sizeof(PyObject *));
-    if (a == NULL)
-        return -1;
-    m->items = a;
-    uint64_t *b = PyMem_Realloc(m->keys, (size_t)n * sizeof(uint64_t));
-    if (b == NULL)
-        return -1;
-    m->keys = b;
-    m->cap = n;
-    return 0;
-}
+/* find_matches' recent queries' keys, by their leading hash objects (``dynamo/_id_memo.h``:
+ * the offline replay's prompts of a prefix group share ~64 of their ~72 hash objects), one memo
+ * a tree. */
+#define MEMO_BITS 5
 
 typedef struct {
     PyObject_HEAD
@@ -328,7 +286,7 @@ typedef struct {
     Py_ssize_t blocks;
     Node *spare; /* freed nodes for reuse, linked by next (node_new, node_free) */
     size_t nspare;
-    KeyMemo memo[MEMO_WAYS]; /* find_matches' recent queries */
+    IdMemo memo[1 << MEMO_BITS]; /* find_matches' recent queries */
     /* scratch stacks, reused */
     Node **stack, **seen;
     size_t stack_cap, seen_cap;
@@ -1090,16 +1048,12 @@ Tree_find_matches(Tree *t, PyObject *arg)
     Py_ssize_t i = 0;
     /* the memo's keys for the leading `same` items; the keys converted from there on are written
      * to it (`known`: up to where), and the items with them when the walk ends */
-    KeyMemo *m = n > 0 ? memo_way(t->memo, items[0]) : NULL;
+    IdMemo *m = n > 0 ? id_memo_way(t->memo, MEMO_BITS, items[0]) : NULL;
     Py_ssize_t same = 0, known = 0;
     int writable = 0;
     if (m != NULL) {
-        if (m->n > 0 && m->items[0] == items[0]) {
-            Py_ssize_t most = n < m->n ? n : m->n;
-            while (same < most && m->items[same] == items[same])
-                same++;
-        }
-        writable = memo_reserve(m, n) == 0;
+        same = id_memo_same(m, items, n);
+        writable = id_memo_reserve(m, n) == 0;
     }
     for (; i < n; i++) {
         uint64_t h;
@@ -1159,18 +1113,13 @@ Tree_find_matches(Tree *t, PyObject *arg)
         }
         Py_DECREF(val);
     }
-    if (m != NULL) { /* the query becomes the memo (a prefix group's next one shares it) */
-        memo_truncate(m, same);
-        for (Py_ssize_t k = same; k < known; k++)
-            m->items[k] = Py_NewRef(items[k]);
-        if (known > same)
-            m->n = known;
-    }
+    if (m != NULL) /* the query becomes the memo (a prefix group's next one shares it) */
+        id_memo_adopt(m, items, same, known);
     Py_DECREF(seq);
     return scores;
 fail:
     if (m != NULL)
-        memo_truncate(m, same); /* the keys past it may have been overwritten */
+        id_memo_truncate(m, same); /* the keys past it may have been overwritten */
     Py_DECREF(seq);
     Py_DECREF(scores);
     return NULL;
@@ -1501,11 +1450,7 @@ Tree_dealloc(Tree *t)
             PyMem_Free(t->slots[s]);
         }
     }
-    for (int w = 0; w < MEMO_WAYS; w++) {
-        memo_truncate(&t->memo[w], 0);
-        PyMem_Free(t->memo[w].items);
-        PyMem_Free(t->memo[w].keys);
-    }
+    id_memo_clear(t->memo, 1 << MEMO_BITS);
     PyMem_Free(t->slots);
     PyMem_Free(t->mark);
     PyMem_Free(t->kids.e);
