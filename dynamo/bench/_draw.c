@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_import.h"
+
 /* CPython's ``_random.Random`` object (Modules/_randommodule.c, 3.11-3.13): the generator's
  * state. Used only for objects whose ``random`` is the built-in method (``mt_func``), and only
  * after ``check_layout`` found it to give the method's own results. */
@@ -448,11 +450,7 @@ PyInit__draw(void)
     s_random = PyUnicode_InternFromString("random");
     if (s_random == NULL || init_in_place() < 0)
         return NULL;
-    PyObject *array = PyImport_ImportModule("array");
-    if (array == NULL)
-        return NULL;
-    array_type = PyObject_GetAttrString(array, "array");
-    Py_DECREF(array);
+    array_type = dyn_import_attr("array", "array");
     if (array_type == NULL)
         return NULL;
     return PyModule_Create(&module);

@@ -26,6 +26,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "../_import.h"
 #include "_frozen.h"
 
 #define MAX_SLOTS 64
@@ -527,14 +528,7 @@ PyInit__sequence(void)
     if ((default_min == NULL && (default_min = PyLong_FromLong(0)) == NULL) ||
         (empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL))
         return NULL;
-    if (array_type == NULL) {
-        PyObject *array = PyImport_ImportModule("array");
-        if (array == NULL)
-            return NULL;
-        array_type = PyObject_GetAttrString(array, "array");
-        Py_DECREF(array);
-        if (array_type == NULL)
-            return NULL;
-    }
+    if (array_type == NULL && (array_type = dyn_import_attr("array", "array")) == NULL)
+        return NULL;
     return PyModule_Create(&sequence_module);
 }

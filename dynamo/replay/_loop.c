@@ -24,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "../_import.h"
 #include "../_slots.h"
 
 /* The event kinds and rank states (simulator.py's ``_SEND`` ..., pools.py's ``IDLE`` ...);
@@ -155,39 +156,62 @@ has_originals(PyObject *type, PyObject *const *names, PyObject *const *origs, in
     return 1;
 }
 
-/* Whether ``sched``'s ``mock_pass`` and ``has_work`` are ``Scheduler``'s (its class verified
- * once a run): then the pass calls the kernel and reads ``_requests`` itself. */
+/* Whether ``type`` is ``*known`` or, while no class is known, has the methods ``names`` as
+ * ``origs`` (it becomes ``*known``, strong): one class is verified once a run. 1 or 0. */
 static int
-plain_sched(Loop *L, PyObject *sched)
+known_plain(PyObject **known, PyObject *type, PyObject *const *names, PyObject *const *origs,
+            int n)
 {
-    PyObject *type = (PyObject *)Py_TYPE(sched);
-    if (type == L->sched_type)
+    if (type == *known)
         return 1;
-    if (L->sched_type != NULL || L->kernel == NULL)
+    if (*known != NULL || !has_originals(type, names, origs, n))
         return 0;
-    PyObject *names[2] = {s_mock_pass, s_has_work}, *origs[2] = {orig_mock_pass, orig_has_work};
-    if (!has_originals(type, names, origs, 2))
-        return 0;
-    L->sched_type = Py_NewRef(type);
+    *known = Py_NewRef(type);
     return 1;
 }
 
+/* Whether ``sched``'s ``mock_pass`` and ``has_work`` are ``Scheduler``'s: then the pass calls
+ * the kernel and reads ``_requests`` itself. */
+static int
+plain_sched(Loop *L, PyObject *sched)
+{
+    PyObject *names[2] = {s_mock_pass, s_has_work}, *origs[2] = {orig_mock_pass, orig_has_work};
+    return L->kernel != NULL &&
+           known_plain(&L->sched_type, (PyObject *)Py_TYPE(sched), names, origs, 2);
+}
+
 /* Whether ``core``'s ``apply_events``, ``prefill_completed`` and ``free`` are
- * ``RoutingCore``'s (its class verified once a run). */
+ * ``RoutingCore``'s. */
 static int
 plain_core(Loop *L, PyObject *core)
 {
-    PyObject *type = (PyObject *)Py_TYPE(core);
-    if (type == L->core_type)
-        return 1;
-    if (L->core_type != NULL || L->mark == NULL)
-        return 0;
     PyObject *names[3] = {s_apply_events, s_prefill_completed, s_free};
     PyObject *origs[3] = {orig_apply_events, orig_prefill_completed, orig_free};
-    if (!has_originals(type, names, origs, 3))
-        return 0;
-    L->core_type = Py_NewRef(type);
-    return 1;
+    return L->mark != NULL &&
+           known_plain(&L->core_type, (PyObject *)Py_TYPE(core), names, origs, 3);
+}
+
+/* ``obj``'s attributes ``names`` as a tuple, read once and kept in ``table`` by ``obj`` (for
+ * fields their owner assigns in its ``__init__`` only): borrowed, or NULL with an exception. */
+static PyObject *
+attrs_once(PyObject *table, PyObject *obj, PyObject *const *names, int n)
+{
+    PyObject *t = PyDict_GetItemWithError(table, obj);
+    if (t != NULL || PyErr_Occurred())
+        return t;
+    if ((t = PyTuple_New(n)) == NULL)
+        return NULL;
+    for (int k = 0; k < n; k++) {
+        PyObject *v = PyObject_GetAttr(obj, names[k]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, v);
+    }
+    int rc = PyDict_SetItem(table, obj, t);
+    Py_DECREF(t); /* the table holds it */
+    return rc < 0 ? NULL : t;
 }
 
 /* A plain router core's fields its thin methods read: ``sequences``, ``indexer`` and the
@@ -264,24 +288,9 @@ enum { SF_RUNNING, SF_WAITING, SF_REQUESTS, SF_KV, SF_CONFIG, SF_TRANSFER, SF_VO
 static PyObject *
 sched_fields(Loop *L, PyObject *sched)
 {
-    PyObject *t = PyDict_GetItemWithError(L->fields, sched);
-    if (t != NULL || PyErr_Occurred())
-        return t;
     PyObject *const names[SF_N] = {s__running, s__waiting,  s__requests, s_kv,    s_config,
                                    s_transfer_seconds, s_vocab_size, s_excluded, s_timing};
-    if ((t = PyTuple_New(SF_N)) == NULL)
-        return NULL;
-    for (int k = 0; k < SF_N; k++) {
-        PyObject *v = PyObject_GetAttr(sched, names[k]);
-        if (v == NULL) {
-            Py_DECREF(t);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(t, k, v);
-    }
-    int rc = PyDict_SetItem(L->fields, sched, t);
-    Py_DECREF(t); /* the table holds it */
-    return rc < 0 ? NULL : t;
+    return attrs_once(L->fields, sched, names, SF_N);
 }
 
 /* The truth of ``sched.has_work``: ``Scheduler``'s ``bool(self._requests)`` when plain. */
@@ -823,12 +832,9 @@ ended_placeholders(Loop *L)
     Py_DECREF(decode);
     if (text)
         return 0;
-    PyObject *m = PyImport_ImportModule("dynamo.replay.simulator");
-    if (m == NULL)
-        return -1;
-    L->ended_tokens = PyObject_GetAttrString(m, "_ENDED");
-    L->ended_spec = L->ended_tokens ? PyObject_GetAttrString(m, "_ENDED_SPEC") : NULL;
-    Py_DECREF(m);
+    L->ended_tokens = dyn_import_attr("dynamo.replay.simulator", "_ENDED");
+    L->ended_spec =
+        L->ended_tokens ? dyn_import_attr("dynamo.replay.simulator", "_ENDED_SPEC") : NULL;
     return L->ended_spec == NULL ? -1 : 0;
 }
 
@@ -837,43 +843,39 @@ ended_placeholders(Loop *L)
 static int
 direct_calls(Loop *L)
 {
-    PyObject *m = PyImport_ImportModule("dynamo.engine_core.scheduler");
-    if (m == NULL)
-        return -1;
-    L->kernel = PyObject_GetAttrString(m, "mock_pass");
-    Py_DECREF(m);
-    if (L->kernel == NULL || (m = PyImport_ImportModule("dynamo.router.core")) == NULL)
-        return -1;
-    L->mark = PyObject_GetAttrString(m, "mark_prefill_completed");
-    L->free_fn = L->mark == NULL ? NULL : PyObject_GetAttrString(m, "free");
-    Py_DECREF(m);
-    return L->free_fn == NULL ? -1 : 0;
+    return (L->kernel = dyn_import_attr("dynamo.engine_core.scheduler", "mock_pass")) == NULL ||
+                   (L->mark = dyn_import_attr("dynamo.router.core", "mark_prefill_completed")) ==
+                       NULL ||
+                   (L->free_fn = dyn_import_attr("dynamo.router.core", "free")) == NULL
+               ? -1
+               : 0;
 }
 
-/* ``Scheduler``'s and ``RoutingCore``'s methods as defined (module import): 0 or -1. */
+/* The methods the loop and the send run the bodies of, as defined (module import):
+ * ``Scheduler``'s, ``RoutingCore``'s and ``SharedPrefixHasher``'s (``hasher_type``). 0 or -1. */
+static PyObject *orig_hashes, *orig_enqueue, *hasher_type, *s_hashes, *s_enqueue;
+
 static int
 capture_originals(void)
 {
-    PyObject *m = PyImport_ImportModule("dynamo.engine_core.scheduler"), *cls = NULL;
-    if (m == NULL || (cls = PyObject_GetAttrString(m, "Scheduler")) == NULL ||
-        (orig_mock_pass = PyObject_GetAttr(cls, s_mock_pass)) == NULL ||
-        (orig_has_work = PyObject_GetAttr(cls, s_has_work)) == NULL)
-        goto fail;
-    Py_CLEAR(cls);
-    Py_DECREF(m);
-    if ((m = PyImport_ImportModule("dynamo.router.core")) == NULL ||
-        (cls = PyObject_GetAttrString(m, "RoutingCore")) == NULL ||
-        (orig_apply_events = PyObject_GetAttr(cls, s_apply_events)) == NULL ||
-        (orig_prefill_completed = PyObject_GetAttr(cls, s_prefill_completed)) == NULL ||
-        (orig_free = PyObject_GetAttr(cls, s_free)) == NULL)
-        goto fail;
-    Py_DECREF(cls);
-    Py_DECREF(m);
-    return 0;
-fail:
-    Py_XDECREF(cls);
-    Py_XDECREF(m);
-    return -1;
+    PyObject *sched = NULL, *core = NULL;
+    int rc = (sched = dyn_import_attr("dynamo.engine_core.scheduler", "Scheduler")) == NULL ||
+                     (orig_mock_pass = PyObject_GetAttr(sched, s_mock_pass)) == NULL ||
+                     (orig_has_work = PyObject_GetAttr(sched, s_has_work)) == NULL ||
+                     (orig_enqueue = PyObject_GetAttr(sched, s_enqueue)) == NULL ||
+                     (core = dyn_import_attr("dynamo.router.core", "RoutingCore")) == NULL ||
+                     (orig_apply_events = PyObject_GetAttr(core, s_apply_events)) == NULL ||
+                     (orig_prefill_completed = PyObject_GetAttr(core, s_prefill_completed)) ==
+                         NULL ||
+                     (orig_free = PyObject_GetAttr(core, s_free)) == NULL ||
+                     (hasher_type = dyn_import_attr("dynamo.router.hashing",
+                                                    "SharedPrefixHasher")) == NULL ||
+                     (orig_hashes = PyObject_GetAttr(hasher_type, s_hashes)) == NULL
+                 ? -1
+                 : 0;
+    Py_XDECREF(sched);
+    Py_XDECREF(core);
+    return rc;
 }
 
 static PyObject *
@@ -951,12 +953,11 @@ typedef struct {
     PyObject *phase, *timeout;
 } Sender;
 
-static PyObject *s_flights, *s_send, *s_hashes, *s_route, *s_worker_id, *s_dp_rank,
-    *s_overlap_blocks, *s_cost, *s_enqueue, *s_fail, *s_load, *s_timeout_s, *s_append,
+static PyObject *s_flights, *s_send, *s_route, *s_worker_id, *s_dp_rank,
+    *s_overlap_blocks, *s_cost, *s_fail, *s_load, *s_timeout_s, *s_append,
     *kw_route, *kw_sequence;
 
-/* The methods the send runs the bodies of, as defined (captured at import, as the loop's). */
-static PyObject *orig_hashes, *orig_enqueue, *hasher_type, *s__last, *s__seed, *s_block_size;
+static PyObject *s__last, *s__seed, *s_block_size;
 
 /* ``sim._hasher.hashes(tokens, key)`` (``key`` None: nothing kept or reused). */
 static PyObject *
@@ -1014,29 +1015,14 @@ prompt_hashes_of(Sender *S, PyObject *tokens, PyObject *key)
 static int
 enqueue(Sender *S, PyObject *sched, PyObject *seq, PyObject *rid)
 {
-    PyObject *type = (PyObject *)Py_TYPE(sched);
-    if (type != S->sched_type && S->sched_type == NULL) {
-        PyObject *names[1] = {s_enqueue}, *origs[1] = {orig_enqueue};
-        if (has_originals(type, names, origs, 1))
-            S->sched_type = Py_NewRef(type);
-    }
-    if (type != S->sched_type)
+    PyObject *names[1] = {s_enqueue}, *origs[1] = {orig_enqueue};
+    if (!known_plain(&S->sched_type, (PyObject *)Py_TYPE(sched), names, origs, 1))
         return done(call_method(sched, s_enqueue, &seq, 1));
     /* its queues, read once (a scheduler assigns them in its __init__ only) */
-    PyObject *q = PyDict_GetItemWithError(S->queues, sched);
-    if (q == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        PyObject *requests = PyObject_GetAttr(sched, s__requests), *waiting = NULL;
-        if (requests != NULL && (waiting = PyObject_GetAttr(sched, s__waiting)) != NULL)
-            q = PyTuple_Pack(2, requests, waiting);
-        Py_XDECREF(requests);
-        Py_XDECREF(waiting);
-        int r = q == NULL ? -1 : PyDict_SetItem(S->queues, sched, q);
-        Py_XDECREF(q); /* the table holds it */
-        if (r < 0)
-            return -1;
-    }
+    PyObject *queue_names[2] = {s__requests, s__waiting};
+    PyObject *q = attrs_once(S->queues, sched, queue_names, 2);
+    if (q == NULL)
+        return -1;
     PyObject *requests = PyTuple_GET_ITEM(q, 0), *waiting = PyTuple_GET_ITEM(q, 1);
     int known = PyDict_Check(requests) ? PyDict_Contains(requests, rid) : 1;
     if (known != 0) /* a duplicate (or an unusual table): the method decides */
@@ -1044,28 +1030,6 @@ enqueue(Sender *S, PyObject *sched, PyObject *seq, PyObject *rid)
     if (PyDict_SetItem(requests, rid, seq) < 0)
         return -1;
     return done(call_method(waiting, s_append, &seq, 1));
-}
-
-/* The hasher's and the scheduler's methods as defined (module import): 0 or -1. */
-static int
-capture_send_originals(void)
-{
-    PyObject *m = PyImport_ImportModule("dynamo.router.hashing"), *cls = NULL;
-    if (m == NULL || (hasher_type = PyObject_GetAttrString(m, "SharedPrefixHasher")) == NULL ||
-        (orig_hashes = PyObject_GetAttr(hasher_type, s_hashes)) == NULL)
-        goto fail;
-    Py_DECREF(m);
-    if ((m = PyImport_ImportModule("dynamo.engine_core.scheduler")) == NULL ||
-        (cls = PyObject_GetAttrString(m, "Scheduler")) == NULL ||
-        (orig_enqueue = PyObject_GetAttr(cls, s_enqueue)) == NULL)
-        goto fail;
-    Py_DECREF(cls);
-    Py_DECREF(m);
-    return 0;
-fail:
-    Py_XDECREF(cls);
-    Py_XDECREF(m);
-    return -1;
 }
 
 static PyObject *array_type; /* array.array: a packed prompt */
@@ -1477,13 +1441,9 @@ PyInit__loop(void)
         intern(&s_apply_in_order, "apply_in_order") || intern(&s_apply_raw, "apply_raw") ||
         intern(&s_sequences, "sequences") || intern(&s__last, "_last") ||
         intern(&s__seed, "_seed") || intern(&s_block_size, "block_size") ||
-        capture_originals() < 0 || capture_send_originals() < 0)
+        capture_originals() < 0)
         return NULL;
-    PyObject *array = PyImport_ImportModule("array");
-    if (array == NULL)
-        return NULL;
-    array_type = PyObject_GetAttrString(array, "array");
-    Py_DECREF(array);
+    array_type = dyn_import_attr("array", "array");
     if (array_type == NULL || !PyType_Check(array_type))
         return NULL;
     /* the keyword names of the send's two calls (interned: matched by identity) */
