@@ -97,48 +97,39 @@ chain(uint64_t parent, uint64_t local)
     return XXH3_64bits_withSeed(pair, 16, SEQUENCE_SEED);
 }
 
-/* With ``known`` (known_tokens, known_local, known_chained: a ``prompt_hashes`` result):
- * convert ids[from..n) of ``items`` into ``buf`` and fill out[0..k) / chain_out[0..k) with
- * known's hash objects for the k leading complete blocks whose ids equal known_tokens', *prev
- * with the last chained value. The leading ids that are known_tokens' own objects are not
- * read (``from`` is past them: checked when known was hashed); a later block is compared by
- * value. Returns k, or -1 with an exception. A known item that is not a valid id only ends
- * the shared blocks. */
-static Py_ssize_t
-reuse_known(PyObject *const *items, Py_ssize_t n, unsigned char *buf, Py_ssize_t block_size,
-            Py_ssize_t blocks, PyObject *const *known, PyObject *out, PyObject *chain_out,
-            uint64_t *prev)
+/* ``known``'s (known_tokens, known_local, known_chained: a ``prompt_hashes`` result) hash lists
+ * as *kl and *kc (new references) and *limit, how many of ``blocks`` both cover: 0, or -1 with
+ * an exception. */
+static int
+known_hashes(PyObject *const *known, Py_ssize_t blocks, PyObject **kl, PyObject **kc,
+             Py_ssize_t *limit)
 {
-    Py_ssize_t k = -1;
-    PyObject *kt = PySequence_Fast(known[0], "known_tokens must be a sequence of ints");
-    PyObject *kl = kt ? PySequence_Fast(known[1], "known_local must be a sequence") : NULL;
-    PyObject *kc = kl ? PySequence_Fast(known[2], "known_chained must be a sequence") : NULL;
-    if (kc == NULL)
-        goto done;
-    Py_ssize_t limit = blocks, kn = PySequence_Fast_GET_SIZE(kt) / block_size;
-    if (kn < limit)
-        limit = kn;
-    if (PySequence_Fast_GET_SIZE(kl) < limit)
-        limit = PySequence_Fast_GET_SIZE(kl);
-    if (PySequence_Fast_GET_SIZE(kc) < limit)
-        limit = PySequence_Fast_GET_SIZE(kc);
-    PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
-    /* The leading blocks whose ids are known_tokens' own objects, a block's pointers compared
-     * at once (a prompt of a prefix group shares its group's 64 blocks: a vector compare each,
-     * not 1,024 compared one by one). */
-    size_t width = (size_t)block_size * sizeof(PyObject *);
-    k = 0;
-    while (k < limit && memcmp(items + k * block_size, kitems + k * block_size, width) == 0)
-        k++;
-    Py_ssize_t from = k * block_size;
-    if (token_bytes(items + from, n - from, buf + 4 * from) < 0) {
-        k = -1;
-        goto done;
+    *kl = PySequence_Fast(known[1], "known_local must be a sequence");
+    *kc = *kl ? PySequence_Fast(known[2], "known_chained must be a sequence") : NULL;
+    if (*kc == NULL) {
+        Py_CLEAR(*kl);
+        return -1;
     }
+    *limit = blocks;
+    if (PySequence_Fast_GET_SIZE(*kl) < *limit)
+        *limit = PySequence_Fast_GET_SIZE(*kl);
+    if (PySequence_Fast_GET_SIZE(*kc) < *limit)
+        *limit = PySequence_Fast_GET_SIZE(*kc);
+    return 0;
+}
+
+/* From block ``k`` on (below ``limit``), the first block whose ids (u32, little-endian, at
+ * ``buf``) differ from known_tokens' ``kitems`` by value; ``items`` (the prompt's objects, or
+ * NULL) spares the read of a known id that is the prompt's own object. A known item that is
+ * not a valid id ends the shared blocks. */
+static Py_ssize_t
+first_differing_block(PyObject *const *items, const unsigned char *buf, PyObject *const *kitems,
+                      Py_ssize_t k, Py_ssize_t limit, Py_ssize_t block_size)
+{
     for (; k < limit; k++) {
         Py_ssize_t i = k * block_size, hi = i + block_size;
         for (; i < hi; i++) {
-            if (items[i] == kitems[i])
+            if (items != NULL && items[i] == kitems[i])
                 continue; /* the same object: the same id */
             unsigned long t = token_id(kitems[i]);
             if (t == (unsigned long)-1 && PyErr_Occurred()) {
@@ -154,12 +145,55 @@ reuse_known(PyObject *const *items, Py_ssize_t n, unsigned char *buf, Py_ssize_t
         if (i < hi)
             break;
     }
+    return k;
+}
+
+/* out[0..k) / chain_out[0..k) take known's hash objects, *prev the last chained value: k, or
+ * -1 with an exception. */
+static Py_ssize_t
+adopt_known(PyObject *kl, PyObject *kc, Py_ssize_t k, PyObject *out, PyObject *chain_out,
+            uint64_t *prev)
+{
     for (Py_ssize_t j = 0; j < k; j++) {
         PyList_SET_ITEM(out, j, Py_NewRef(PySequence_Fast_ITEMS(kl)[j]));
         PyList_SET_ITEM(chain_out, j, Py_NewRef(PySequence_Fast_ITEMS(kc)[j]));
     }
-    if (k > 0 && as_u64(PySequence_Fast_ITEMS(kc)[k - 1], prev) < 0)
+    return k > 0 && as_u64(PySequence_Fast_ITEMS(kc)[k - 1], prev) < 0 ? -1 : k;
+}
+
+/* With ``known`` (known_tokens, known_local, known_chained: a ``prompt_hashes`` result):
+ * convert ids[from..n) of ``items`` into ``buf`` and fill out[0..k) / chain_out[0..k) with
+ * known's hash objects for the k leading complete blocks whose ids equal known_tokens', *prev
+ * with the last chained value. The leading ids that are known_tokens' own objects are not
+ * read (``from`` is past them: checked when known was hashed); a later block is compared by
+ * value. Returns k, or -1 with an exception. */
+static Py_ssize_t
+reuse_known(PyObject *const *items, Py_ssize_t n, unsigned char *buf, Py_ssize_t block_size,
+            Py_ssize_t blocks, PyObject *const *known, PyObject *out, PyObject *chain_out,
+            uint64_t *prev)
+{
+    Py_ssize_t k = -1, limit;
+    PyObject *kl = NULL, *kc = NULL;
+    PyObject *kt = PySequence_Fast(known[0], "known_tokens must be a sequence of ints");
+    if (kt == NULL || known_hashes(known, blocks, &kl, &kc, &limit) < 0)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(kt) / block_size < limit)
+        limit = PySequence_Fast_GET_SIZE(kt) / block_size;
+    PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
+    /* The leading blocks whose ids are known_tokens' own objects, a block's pointers compared
+     * at once (a prompt of a prefix group shares its group's 64 blocks: a vector compare each,
+     * not 1,024 compared one by one). */
+    size_t width = (size_t)block_size * sizeof(PyObject *);
+    k = 0;
+    while (k < limit && memcmp(items + k * block_size, kitems + k * block_size, width) == 0)
+        k++;
+    Py_ssize_t from = k * block_size;
+    if (token_bytes(items + from, n - from, buf + 4 * from) < 0) {
         k = -1;
+        goto done;
+    }
+    k = first_differing_block(items, buf, kitems, k, limit, block_size);
+    k = adopt_known(kl, kc, k, out, chain_out, prev);
 done:
     Py_XDECREF(kt);
     Py_XDECREF(kl);
@@ -194,22 +228,15 @@ static Py_ssize_t
 reuse_known_ids(const unsigned char *ids, Py_ssize_t n, Py_ssize_t block_size, Py_ssize_t blocks,
                 PyObject *const *known, PyObject *out, PyObject *chain_out, uint64_t *prev)
 {
-    Py_ssize_t k = -1;
+    Py_ssize_t k = -1, limit;
     Py_buffer kv;
     int packed = 0;
-    PyObject *kt = NULL;
-    PyObject *kl = PySequence_Fast(known[1], "known_local must be a sequence");
-    PyObject *kc = kl ? PySequence_Fast(known[2], "known_chained must be a sequence") : NULL;
-    if (kc == NULL)
+    PyObject *kt = NULL, *kl = NULL, *kc = NULL;
+    if (known_hashes(known, blocks, &kl, &kc, &limit) < 0)
         goto done;
-    Py_ssize_t limit = blocks;
-    if (PySequence_Fast_GET_SIZE(kl) < limit)
-        limit = PySequence_Fast_GET_SIZE(kl);
-    if (PySequence_Fast_GET_SIZE(kc) < limit)
-        limit = PySequence_Fast_GET_SIZE(kc);
-    size_t width = (size_t)block_size * 4;
     k = 0;
     if ((packed = u32_ids(known[0], &kv))) {
+        size_t width = (size_t)block_size * 4;
         if (kv.len / 4 / block_size < limit)
             limit = kv.len / 4 / block_size;
         while (k < limit && memcmp(ids + k * width, (const char *)kv.buf + k * width, width) == 0)
@@ -222,30 +249,9 @@ reuse_known_ids(const unsigned char *ids, Py_ssize_t n, Py_ssize_t block_size, P
         }
         if (PySequence_Fast_GET_SIZE(kt) / block_size < limit)
             limit = PySequence_Fast_GET_SIZE(kt) / block_size;
-        PyObject *const *kitems = PySequence_Fast_ITEMS(kt);
-        for (; k < limit; k++) {
-            Py_ssize_t i = k * block_size, hi = i + block_size;
-            for (; i < hi; i++) {
-                unsigned long t = token_id(kitems[i]);
-                if (t == (unsigned long)-1 && PyErr_Occurred()) {
-                    PyErr_Clear();
-                    break;
-                }
-                uint32_t v;
-                memcpy(&v, ids + 4 * i, 4);
-                if (t != v)
-                    break;
-            }
-            if (i < hi)
-                break;
-        }
+        k = first_differing_block(NULL, ids, PySequence_Fast_ITEMS(kt), 0, limit, block_size);
     }
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyList_SET_ITEM(out, j, Py_NewRef(PySequence_Fast_ITEMS(kl)[j]));
-        PyList_SET_ITEM(chain_out, j, Py_NewRef(PySequence_Fast_ITEMS(kc)[j]));
-    }
-    if (k > 0 && as_u64(PySequence_Fast_ITEMS(kc)[k - 1], prev) < 0)
-        k = -1;
+    k = adopt_known(kl, kc, k, out, chain_out, prev);
 done:
     if (packed)
         PyBuffer_Release(&kv);
