@@ -201,21 +201,28 @@ choices(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* ``extended``'s and ``packed``'s four arguments checked and their ``total`` read: the length,
+ * or -1 with an exception. */
+static Py_ssize_t
+prompt_total(PyObject *const *args, Py_ssize_t nargs, const char *signature)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, signature);
+        return -1;
+    }
+    Py_ssize_t total = PyLong_AsSsize_t(args[3]);
+    if (total < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a prompt's length cannot be negative");
+    return total < 0 ? -1 : total;
+}
+
 /* extended(rng, population, head, total): ``head[:total]`` then ``total - len(head)`` draws. */
 static PyObject *
 extended(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "extended(rng, population, head, total)");
+    Py_ssize_t total = prompt_total(args, nargs, "extended(rng, population, head, total)");
+    if (total < 0)
         return NULL;
-    }
-    Py_ssize_t total = PyLong_AsSsize_t(args[3]);
-    if (total == -1 && PyErr_Occurred())
-        return NULL;
-    if (total < 0) {
-        PyErr_SetString(PyExc_ValueError, "a prompt's length cannot be negative");
-        return NULL;
-    }
     PyObject *head = PySequence_Fast(args[2], "the head must be a sequence");
     if (head == NULL)
         return NULL;
@@ -308,17 +315,9 @@ static PyObject *array_type; /* array.array */
 static PyObject *
 packed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "packed(rng, words, head, total)");
+    Py_ssize_t total = prompt_total(args, nargs, "packed(rng, words, head, total)");
+    if (total < 0)
         return NULL;
-    }
-    Py_ssize_t total = PyLong_AsSsize_t(args[3]);
-    if (total == -1 && PyErr_Occurred())
-        return NULL;
-    if (total < 0) {
-        PyErr_SetString(PyExc_ValueError, "a prompt's length cannot be negative");
-        return NULL;
-    }
     Py_buffer words, head;
     if (!u32_view(args[1], &words, "the words"))
         return NULL;
